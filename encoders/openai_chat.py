@@ -1,0 +1,205 @@
+"""OpenAI Chat Completions: deltas → `chat.completion.chunk` frames, or one `chat.completion` body.
+
+Pure: input is the request IR and its deltas, nothing else. Chunks share id/created/model; the first
+carries the role; a tool call's first chunk carries index, id, type and name; with
+`stream_options.include_usage` every chunk has `usage: null` and a last chunk has `choices: []` and
+the usage; the stream ends with `data: [DONE]`. An Error delta becomes `data: {"error": {...}}`
+before `[DONE]`, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from encoders.frames import Frame, json_frame
+from shared.deltas import (
+    Content,
+    Error,
+    Finish,
+    Reasoning,
+    Refusal,
+    StreamDelta,
+    TokenLogprob,
+    ToolCallArgs,
+    ToolCallStart,
+    Usage,
+)
+from shared.ir import Request
+
+DONE = Frame("[DONE]")
+
+
+def completion_id(request: Request) -> str:
+    return f"chatcmpl-{request.id}"
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+    }
+
+
+def error_json(error: Error) -> dict[str, Any]:
+    return {"error": {"message": error.message, "type": error.kind.value, "param": None, "code": None}}
+
+
+def logprobs_json(entries: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": list(e.token.encode()),
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, _id, lp in e.top],
+            }
+            for e in entries
+        ]
+    }
+
+
+class ChatStreamEncoder:
+    """Deltas → SSE frames for one streaming chat request."""
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+        self._base = {
+            "id": completion_id(request),
+            "object": "chat.completion.chunk",
+            "created": int(request.created),
+            "model": request.model,
+            "system_fingerprint": None,
+        }
+        self._role_sent = False
+        self._done = False
+
+    def _chunk(self, delta: dict[str, Any], *, finish_reason: str | None = None, extra: dict[str, Any] | None = None) -> Frame:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        if extra:
+            choice.update(extra)
+        payload = {**self._base, "choices": [choice]}
+        if self._request.include_usage:
+            payload["usage"] = None
+        return json_frame(payload)
+
+    def _role_frames(self) -> list[Frame]:
+        if self._role_sent:
+            return []
+        self._role_sent = True
+        extra = {"prompt_token_ids": list(self._request.prompt_token_ids)} if self._request.return_token_ids else None
+        return [self._chunk({"role": "assistant", "content": ""}, extra=extra)]
+
+    def _token_extra(self, token_ids: tuple[int, ...]) -> dict[str, Any] | None:
+        return {"token_ids": list(token_ids)} if self._request.return_token_ids else None
+
+    def feed(self, delta: StreamDelta) -> list[Frame]:
+        if self._done:
+            return []
+        frames = self._role_frames()
+        if isinstance(delta, Content):
+            extra = self._token_extra(delta.token_ids) or {}
+            if delta.logprobs:
+                extra["logprobs"] = logprobs_json(delta.logprobs)
+            if delta.text or extra:
+                frames.append(self._chunk({"content": delta.text}, extra=extra or None))
+        elif isinstance(delta, Reasoning):
+            frames.append(self._chunk({"reasoning_content": delta.text}, extra=self._token_extra(delta.token_ids)))
+        elif isinstance(delta, Refusal):
+            frames.append(self._chunk({"refusal": delta.text}))
+        elif isinstance(delta, ToolCallStart):
+            call = {"index": delta.index, "id": delta.id, "type": "function", "function": {"name": delta.name, "arguments": ""}}
+            frames.append(self._chunk({"tool_calls": [call]}))
+        elif isinstance(delta, ToolCallArgs):
+            frames.append(self._chunk({"tool_calls": [{"index": delta.index, "function": {"arguments": delta.arguments}}]}))
+        elif isinstance(delta, Finish):
+            frames.append(self._chunk({}, finish_reason=delta.reason.openai, extra=self._token_extra(delta.token_ids)))
+            if self._request.include_usage:
+                frames.append(json_frame({**self._base, "choices": [], "usage": usage_json(delta.usage)}))
+            frames.extend(self.finish())
+        elif isinstance(delta, Error):
+            frames.append(json_frame(error_json(delta)))
+            frames.extend(self.finish())
+        return frames
+
+    def finish(self) -> list[Frame]:
+        """Close the stream: `[DONE]` once; later calls return nothing."""
+        if self._done:
+            return []
+        self._done = True
+        return [DONE]
+
+
+class ChatCompletionAccumulator:
+    """Deltas → the one `chat.completion` body of a non-streaming request (n choices by index)."""
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+        self._text: list[str] = []
+        self._reasoning: list[str] = []
+        self._refusal: list[str] = []
+        self._calls: dict[int, dict[str, Any]] = {}
+        self._token_ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+        self.finish: Finish | None = None
+        self.error: Error | None = None
+
+    def feed(self, delta: StreamDelta) -> None:
+        if isinstance(delta, Content):
+            self._text.append(delta.text)
+            self._logprobs.extend(delta.logprobs)
+        elif isinstance(delta, Reasoning):
+            self._reasoning.append(delta.text)
+        elif isinstance(delta, Refusal):
+            self._refusal.append(delta.text)
+        elif isinstance(delta, ToolCallStart):
+            self._calls[delta.index] = {"id": delta.id, "type": "function", "function": {"name": delta.name, "arguments": ""}}
+        elif isinstance(delta, ToolCallArgs):
+            self._calls[delta.index]["function"]["arguments"] += delta.arguments
+        elif isinstance(delta, Finish):
+            self.finish = delta
+        elif isinstance(delta, Error):
+            self.error = delta
+        if not isinstance(delta, Error):
+            self._token_ids.extend(delta.token_ids)
+
+    def choice(self, index: int = 0) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self._text) if self._text or not self._calls else None}
+        message["refusal"] = "".join(self._refusal) if self._refusal else None
+        if self._reasoning:
+            message["reasoning_content"] = "".join(self._reasoning)
+        if self._calls:
+            message["tool_calls"] = [self._calls[i] for i in sorted(self._calls)]
+        choice: dict[str, Any] = {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs_json(tuple(self._logprobs)) if self._request.sampling.logprobs else None,
+            "finish_reason": self.finish.reason.openai if self.finish else None,
+        }
+        if self._request.return_token_ids:
+            choice["token_ids"] = self._token_ids
+        return choice
+
+    @property
+    def usage(self) -> Usage:
+        return self.finish.usage if self.finish else Usage()
+
+
+def chat_completion_body(request: Request, choices: list[ChatCompletionAccumulator]) -> dict[str, Any]:
+    """Assemble the `chat.completion` body; usage sums completion tokens over the n choices."""
+    prompt = choices[0].usage.prompt_tokens if choices else 0
+    usage = Usage(prompt_tokens=prompt, completion_tokens=sum(c.usage.completion_tokens for c in choices))
+    body: dict[str, Any] = {
+        "id": completion_id(request),
+        "object": "chat.completion",
+        "created": int(request.created),
+        "model": request.model,
+        "system_fingerprint": None,
+        "choices": [acc.choice(i) for i, acc in enumerate(choices)],
+        "usage": usage_json(usage),
+    }
+    if request.return_token_ids:
+        body["prompt_token_ids"] = list(request.prompt_token_ids)
+    return body

@@ -1,0 +1,294 @@
+"""OpenAI Responses: deltas → `response.*` SSE events, or one `response` object.
+
+Pure: input is the request IR (including `raw_body`, whose `instructions`, `previous_response_id`,
+`store` and `text` are echoed when present) and its deltas. One state machine (`_ResponseState`) turns
+deltas into events and keeps the output items, so the stream and the non-streaming body agree by
+construction. Every event has `type` and a `sequence_number` from 0 (the stream encoder numbers them);
+`response.created` then `response.in_progress` come first; output items get contiguous `output_index`es
+and ids derived from the request id and index (`msg_…`, `fc_…`, `rs_…`); each item is added → parts and
+deltas → every `.done` → `output_item.done`, one item open at a time (Reasoning → a reasoning item with
+`reasoning_text` parts, Content → `output_text`, Refusal → a `refusal` part, a tool call → a
+`function_call` item). Exactly one terminal event: `response.completed`, `response.incomplete` (also for
+CANCELLED, which has no stream event of its own; the status says `cancelled`), or for an Error an `error`
+event then `response.failed`. Its `response.output` equals the streamed items. Arguments for a tool call
+that is no longer the open item are dropped (workers emit each call's arguments before the next call).
+Must not: do I/O, compute `output_text` (the SDK does), or expose token ids unless asked.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import orjson
+
+from encoders.frames import Frame, json_frame
+from shared.deltas import Content, Error, ErrorKind, Finish, Reasoning, Refusal, StreamDelta, ToolCallArgs, ToolCallStart, Usage
+from shared.ir import Request
+
+ITEM_PREFIX = {"message": "msg", "function_call": "fc", "reasoning": "rs"}
+PART_TEXT_KEY = {"output_text": "text", "refusal": "refusal", "reasoning_text": "text"}
+PART_EVENT = {"output_text": "response.output_text", "refusal": "response.refusal", "reasoning_text": "response.reasoning_text"}
+ERROR_CODES = {ErrorKind.INVALID_REQUEST: "invalid_prompt"}  # everything else: server_error
+INCOMPLETE = "The stream ended before the response was complete."
+
+
+def response_id(request: Request) -> str:
+    return f"resp_{request.id}"
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def _echo(request: Request) -> dict[str, Any]:
+    """The request fields the IR does not keep, from `raw_body` when the app recorded it."""
+    try:
+        body = orjson.loads(request.raw_body) if request.raw_body else {}
+    except orjson.JSONDecodeError:
+        body = {}
+    body = body if isinstance(body, dict) else {}
+    text = body.get("text")
+    return {
+        "instructions": body.get("instructions") if isinstance(body.get("instructions"), str) else None,
+        "previous_response_id": body.get("previous_response_id") if isinstance(body.get("previous_response_id"), str) else None,
+        "store": body["store"] if isinstance(body.get("store"), bool) else True,
+        "text": text if isinstance(text, dict) and isinstance(text.get("format"), dict) else {"format": {"type": "text"}},
+    }
+
+
+def _tool_choice(choice: str | None) -> Any:
+    if choice and choice.startswith("function:"):
+        return {"type": "function", "name": choice.removeprefix("function:")}
+    return choice or "auto"
+
+
+class _ResponseState:
+    """Deltas → event payloads (without sequence numbers), keeping the output items being built."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.items: list[dict[str, Any]] = []
+        self.token_ids: list[int] = []
+        self.terminal: dict[str, Any] | None = None  # the Response object the terminal event carried
+        self.finish: Finish | None = None
+        self.error: Error | None = None
+        self._echo = _echo(request)
+        self._open: int | None = None  # output index of the open item
+        self._tool_items: dict[int, int] = {}  # ToolCallStart.index → output index
+        self._started = False
+        self._pending_ids: list[int] = []
+
+    def feed(self, delta: StreamDelta) -> list[dict[str, Any]]:
+        if self.terminal is not None:
+            return []
+        events = self._start()
+        if isinstance(delta, Error):
+            self.error = delta
+            return events + self._fail(delta.message, ERROR_CODES.get(delta.kind, "server_error"))
+        self.token_ids.extend(delta.token_ids)
+        self._pending_ids.extend(delta.token_ids)
+        if isinstance(delta, Content):
+            events += self._text("message", "output_text", delta.text)
+        elif isinstance(delta, Refusal):
+            events += self._text("message", "refusal", delta.text)
+        elif isinstance(delta, Reasoning):
+            events += self._text("reasoning", "reasoning_text", delta.text)
+        elif isinstance(delta, ToolCallStart):
+            events += self._close("completed")
+            self._tool_items[delta.index] = len(self.items)
+            events += self._add({"type": "function_call", "status": "in_progress", "arguments": "", "call_id": delta.id, "name": delta.name})
+        elif isinstance(delta, ToolCallArgs):
+            index = self._tool_items.get(delta.index)
+            if index is not None and index == self._open and delta.arguments:
+                self.items[index]["arguments"] += delta.arguments
+                events.append(self._ids({"type": "response.function_call_arguments.delta", **self._where(index), "delta": delta.arguments}))
+        elif isinstance(delta, Finish):
+            events += self._complete(delta)
+        return events
+
+    def fail_incomplete(self) -> list[dict[str, Any]]:
+        """Terminal events for a stream cut before any terminal delta."""
+        return [] if self.terminal is not None else self._start() + self._fail(INCOMPLETE, "server_error")
+
+    def response(self, status: str, **terminal: Any) -> dict[str, Any]:
+        r, s = self.request, self.request.sampling
+        body: dict[str, Any] = {
+            "id": response_id(r),
+            "object": "response",
+            "created_at": int(r.created),
+            "status": status,
+            "background": False,
+            "error": terminal.get("error"),
+            "incomplete_details": terminal.get("incomplete_details"),
+            "instructions": self._echo["instructions"],
+            "max_output_tokens": s.max_tokens,
+            "metadata": dict(r.metadata),
+            "model": r.model,
+            "output": copy.deepcopy(self.items) if status != "in_progress" else [],
+            "parallel_tool_calls": r.parallel_tool_calls,
+            "previous_response_id": self._echo["previous_response_id"],
+            "reasoning": {"effort": None, "summary": None},
+            "store": self._echo["store"],
+            "temperature": s.temperature,
+            "text": self._echo["text"],
+            "tool_choice": _tool_choice(r.tool_choice),
+            "tools": [
+                {"type": "function", "name": t.name, "description": t.description or None, "parameters": orjson.loads(t.parameters_json), "strict": None}
+                for t in r.tools
+            ],
+            "top_p": s.top_p,
+            "truncation": "disabled",
+            "usage": terminal.get("usage"),
+            "user": None,
+        }
+        if r.return_token_ids and status != "in_progress":
+            body["prompt_token_ids"] = list(r.prompt_token_ids)
+            body["token_ids"] = list(self.token_ids)
+        return body
+
+    def _start(self) -> list[dict[str, Any]]:
+        if self._started:
+            return []
+        self._started = True
+        snapshot = self.response("in_progress")
+        return [{"type": "response.created", "response": snapshot}, {"type": "response.in_progress", "response": copy.deepcopy(snapshot)}]
+
+    def _text(self, item_type: str, part_type: str, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        events: list[dict[str, Any]] = []
+        if self._open is None or self.items[self._open]["type"] != item_type:
+            events += self._close("completed")
+            fields = {"role": "assistant", "content": []} if item_type == "message" else {"summary": [], "content": []}
+            events += self._add({"type": item_type, "status": "in_progress", **fields})
+        assert self._open is not None
+        index = self._open
+        parts = self.items[index]["content"]
+        if not parts or parts[-1]["type"] != part_type:
+            events += self._close_part(index)
+            parts.append(_empty_part(part_type))
+            events.append({"type": "response.content_part.added", **self._where(index), "content_index": len(parts) - 1, "part": _empty_part(part_type)})
+        parts[-1][PART_TEXT_KEY[part_type]] += text
+        event: dict[str, Any] = {"type": f"{PART_EVENT[part_type]}.delta", **self._where(index), "content_index": len(parts) - 1, "delta": text}
+        if part_type == "output_text":
+            event["logprobs"] = []
+        events.append(self._ids(event))
+        return events
+
+    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        index = self._open = len(self.items)
+        self.items.append({"id": f"{ITEM_PREFIX[item['type']]}_{self.request.id}_{index}", **item})
+        return [{"type": "response.output_item.added", "output_index": index, "item": copy.deepcopy(self.items[index])}]
+
+    def _close_part(self, index: int) -> list[dict[str, Any]]:
+        parts = self.items[index].get("content") or []
+        if not parts:
+            return []
+        part, where = parts[-1], {**self._where(index), "content_index": len(parts) - 1}
+        key = PART_TEXT_KEY[part["type"]]
+        done: dict[str, Any] = {"type": f"{PART_EVENT[part['type']]}.done", **where, key: part[key]}
+        if part["type"] == "output_text":
+            done["logprobs"] = []
+        return [done, {"type": "response.content_part.done", **where, "part": dict(part)}]
+
+    def _close(self, status: str) -> list[dict[str, Any]]:
+        if self._open is None:
+            return []
+        index, self._open = self._open, None
+        item = self.items[index]
+        if item["type"] == "function_call":
+            events = [{"type": "response.function_call_arguments.done", **self._where(index), "arguments": item["arguments"]}]
+        else:
+            events = self._close_part(index)
+        item["status"] = status
+        events.append({"type": "response.output_item.done", "output_index": index, "item": copy.deepcopy(item)})
+        return events
+
+    def _complete(self, finish: Finish) -> list[dict[str, Any]]:
+        self.finish = finish
+        status, reason = finish.reason.responses_status, finish.reason.responses_incomplete_reason
+        events = self._close("completed" if status == "completed" else "incomplete")
+        self.terminal = self.response(status, usage=usage_json(finish.usage), incomplete_details={"reason": reason} if reason else None)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return [*events, {"type": kind, "response": self.terminal}]
+
+    def _fail(self, message: str, code: str) -> list[dict[str, Any]]:
+        events = self._close("incomplete")
+        self.terminal = self.response("failed", error={"code": code, "message": message})
+        return [*events, {"type": "error", "code": code, "message": message, "param": None}, {"type": "response.failed", "response": self.terminal}]
+
+    def _where(self, index: int) -> dict[str, Any]:
+        return {"item_id": self.items[index]["id"], "output_index": index}
+
+    def _ids(self, event: dict[str, Any]) -> dict[str, Any]:
+        if self.request.return_token_ids:
+            event["token_ids"], self._pending_ids = self._pending_ids, []
+        return event
+
+
+def _empty_part(part_type: str) -> dict[str, Any]:
+    if part_type == "output_text":
+        return {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    return {"type": part_type, PART_TEXT_KEY[part_type]: ""}
+
+
+class ResponsesStreamEncoder:
+    """Deltas → SSE frames for one streaming Responses request (`event:` = `type`, as OpenAI sends)."""
+
+    def __init__(self, request: Request) -> None:
+        self._state = _ResponseState(request)
+        self._sequence = 0
+        self._closed = False
+
+    def feed(self, delta: StreamDelta) -> list[Frame]:
+        if self._closed:
+            return []
+        frames = self._frames(self._state.feed(delta))
+        self._closed = self._state.terminal is not None
+        return frames
+
+    def finish(self) -> list[Frame]:
+        """Close the stream. After a terminal delta: nothing. Without one, `error` + `response.failed`."""
+        if self._closed:
+            return []
+        self._closed = True
+        return self._frames(self._state.fail_incomplete())
+
+    def _frames(self, events: list[dict[str, Any]]) -> list[Frame]:
+        frames = []
+        for event in events:
+            event["sequence_number"] = self._sequence
+            self._sequence += 1
+            frames.append(json_frame(event, event["type"]))
+        return frames
+
+
+class ResponseAccumulator:
+    """Deltas → the `response` object of a non-streaming request (the one a terminal event would carry)."""
+
+    def __init__(self, request: Request) -> None:
+        self._state = _ResponseState(request)
+
+    def feed(self, delta: StreamDelta) -> None:
+        self._state.feed(delta)
+
+    @property
+    def finish(self) -> Finish | None:
+        return self._state.finish
+
+    @property
+    def error(self) -> Error | None:
+        return self._state.error
+
+    def body(self) -> dict[str, Any]:
+        """The terminal Response object, or an in-progress snapshot with the items so far if none came yet."""
+        if self._state.terminal is not None:
+            return self._state.terminal
+        return {**self._state.response("in_progress"), "output": copy.deepcopy(self._state.items)}

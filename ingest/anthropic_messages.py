@@ -1,0 +1,224 @@
+"""Anthropic Messages body (POST /v1/messages) → `Request` IR (pure; raises `ApiError` naming the bad parameter).
+
+Owns: the mapping of Messages fields onto the IR. A `tool_result` block becomes its own TOOL message
+(in block order), `tool_use` blocks become the assistant turn's `ToolCall`s (arguments: the JSON text of
+`input`), `thinking` text becomes `Message.reasoning` and `redacted_thinking` is dropped. `system`-role
+entries inside `messages` (sent by recent Claude Code) are kept where they stand. `thinking` is
+validated and otherwise ignored; unknown fields are ignored. Parameters are named `messages[0].content[1].text`.
+Must not: do I/O, render templates, or decide whether the model accepts images (the app does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ingest import fields as f
+from shared.errors import invalid
+from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
+
+ROLES = {"user": Role.USER, "assistant": Role.ASSISTANT, "system": Role.SYSTEM}
+TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+THINKING_TYPES = ("enabled", "disabled", "adaptive")
+MAX_MESSAGES = 2048
+MAX_TOOLS = 128
+
+
+def parse(body: Any, *, request_id: str, created: float) -> Request:
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.", None, "invalid_body")
+    model = f.string(f.require(body, "model"), "model", allow_empty=False)
+    max_tokens = f.integer(f.require(body, "max_tokens"), "max_tokens", lo=1, hi=f.MAX_TOKENS_CAP)
+    raw_messages = f.array(f.require(body, "messages"), "messages", max_items=MAX_MESSAGES, allow_empty=False)
+    messages = [*_system(body.get("system"))]
+    for i, m in enumerate(raw_messages):
+        messages.extend(_message(m, f"messages[{i}]"))
+    _check_thinking(body.get("thinking"))
+    choice, parallel = _tool_choice(body.get("tool_choice"))
+    return Request(
+        id=request_id,
+        protocol=Protocol.ANTHROPIC_MESSAGES,
+        model=model,
+        messages=tuple(messages),
+        sampling=SamplingParams(
+            temperature=f.number(body["temperature"], "temperature", lo=0.0, hi=1.0) if body.get("temperature") is not None else None,
+            top_p=f.number(body["top_p"], "top_p", lo=0.0, hi=1.0) if body.get("top_p") is not None else None,
+            top_k=f.integer(body["top_k"], "top_k", lo=0, hi=1_000_000) if body.get("top_k") is not None else None,
+            max_tokens=max_tokens,
+            stop=f.stop_list(f.array(body["stop_sequences"], "stop_sequences"), "stop_sequences") if body.get("stop_sequences") is not None else (),
+        ),
+        stream=f.boolean(body["stream"], "stream") if body.get("stream") is not None else False,
+        tools=tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS))),
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
+        created=created,
+        metadata=_metadata(body.get("metadata")),
+        endpoint="/v1/messages",
+    )
+
+
+def need(value: dict[str, Any], key: str, param: str) -> Any:
+    """`value[key]`, or an error naming the full path `param` (fields.require names only top-level keys)."""
+    if value.get(key) is None:
+        raise invalid(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+    return value[key]
+
+
+def _system(value: Any) -> list[Message]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [Message(role=Role.SYSTEM, content=(TextPart(text=value),))] if value else []
+    parts: list[ContentPart] = []
+    for i, block in enumerate(f.array(value, "system")):
+        b = f.obj(block, f"system[{i}]")
+        if b.get("type") != "text":
+            raise invalid(f"Invalid value: {b.get('type')!r}. The system prompt accepts only 'text' blocks.", f"system[{i}].type", "invalid_value")
+        parts.append(TextPart(text=f.string(need(b, "text", f"system[{i}].text"), f"system[{i}].text")))
+    return [Message(role=Role.SYSTEM, content=tuple(parts))] if parts else []
+
+
+def _message(value: Any, param: str) -> list[Message]:
+    """One Messages entry → IR messages: a user turn may split into TOOL messages and user text."""
+    m = f.obj(value, param)
+    role_name = f.string(need(m, "role", f"{param}.role"), f"{param}.role")
+    role = ROLES.get(role_name)
+    if role is None:
+        raise invalid(f"Invalid value: '{role_name}'. Supported values are: 'user', 'assistant' and 'system'.", f"{param}.role", "invalid_value")
+    content = need(m, "content", f"{param}.content")
+    if isinstance(content, str):
+        return [Message(role=role, content=(TextPart(text=content),))]
+    blocks = [f.obj(b, f"{param}.content[{j}]") for j, b in enumerate(f.array(content, f"{param}.content"))]
+    if role is Role.ASSISTANT:
+        return [_assistant(blocks, f"{param}.content")]
+    return _user_or_system(role, blocks, f"{param}.content")
+
+
+def _assistant(blocks: list[dict[str, Any]], param: str) -> Message:
+    parts: list[ContentPart] = []
+    calls: list[ToolCall] = []
+    reasoning: list[str] = []
+    for j, b in enumerate(blocks):
+        kind, where = b.get("type"), f"{param}[{j}]"
+        if kind == "text":
+            parts.append(_text(b, where))
+        elif kind == "tool_use":
+            calls.append(
+                ToolCall(
+                    id=f.string(need(b, "id", f"{where}.id"), f"{where}.id", allow_empty=False),
+                    name=f.string(need(b, "name", f"{where}.name"), f"{where}.name", allow_empty=False),
+                    arguments=orjson.dumps(f.obj(need(b, "input", f"{where}.input"), f"{where}.input")).decode(),
+                )
+            )
+        elif kind == "thinking":
+            reasoning.append(f.string(need(b, "thinking", f"{where}.thinking"), f"{where}.thinking"))
+        elif kind != "redacted_thinking":
+            raise _bad_block(kind, where, "'text', 'tool_use', 'thinking', 'redacted_thinking'")
+    return Message(role=Role.ASSISTANT, content=tuple(parts), tool_calls=tuple(calls), reasoning="".join(reasoning) if reasoning else None)
+
+
+def _user_or_system(role: Role, blocks: list[dict[str, Any]], param: str) -> list[Message]:
+    """Blocks in order; each `tool_result` is its own TOOL message, runs of other blocks one `role` message."""
+    out: list[Message] = []
+    run: list[ContentPart] = []
+    for j, b in enumerate(blocks):
+        kind, where = b.get("type"), f"{param}[{j}]"
+        if kind == "tool_result" and role is Role.USER:
+            if run:
+                out.append(Message(role=role, content=tuple(run)))
+                run = []
+            out.append(_tool_result(b, where))
+        elif kind in ("text", "image"):
+            run.append(_part(b, where, images=role is Role.USER))
+        else:
+            raise _bad_block(kind, where, "'text', 'image', 'tool_result'" if role is Role.USER else "'text'")
+    if run or not out:
+        out.append(Message(role=role, content=tuple(run)))
+    return out
+
+
+def _tool_result(b: dict[str, Any], where: str) -> Message:
+    tool_use_id = f.string(need(b, "tool_use_id", f"{where}.tool_use_id"), f"{where}.tool_use_id", allow_empty=False)
+    content = b.get("content")
+    if content is None or isinstance(content, str):
+        parts: tuple[ContentPart, ...] = (TextPart(text=content or ""),)
+    else:
+        items = f.array(content, f"{where}.content")
+        parts = tuple(_part(f.obj(p, f"{where}.content[{k}]"), f"{where}.content[{k}]", images=True) for k, p in enumerate(items))
+    if b.get("is_error") is not None:
+        f.boolean(b["is_error"], f"{where}.is_error")
+    return Message(role=Role.TOOL, content=parts, tool_call_id=tool_use_id)
+
+
+def _part(b: dict[str, Any], where: str, *, images: bool) -> ContentPart:
+    kind = b.get("type")
+    if kind == "text":
+        return _text(b, where)
+    if kind == "image" and images:
+        return _image(b, where)
+    raise _bad_block(kind, where, "'text', 'image'" if images else "'text'")
+
+
+def _text(b: dict[str, Any], where: str) -> TextPart:
+    return TextPart(text=f.string(need(b, "text", f"{where}.text"), f"{where}.text"))
+
+
+def _image(b: dict[str, Any], where: str) -> ImagePart:
+    source = f.obj(need(b, "source", f"{where}.source"), f"{where}.source")
+    kind = source.get("type")
+    if kind == "base64":
+        media_type = f.string(need(source, "media_type", f"{where}.source.media_type"), f"{where}.source.media_type", allow_empty=False)
+        data = f.string(need(source, "data", f"{where}.source.data"), f"{where}.source.data", allow_empty=False)
+        return ImagePart(url=f"data:{media_type};base64,{data}", media_type=media_type)
+    if kind == "url":
+        return ImagePart(url=f.string(need(source, "url", f"{where}.source.url"), f"{where}.source.url", allow_empty=False))
+    raise invalid(f"Invalid value: {kind!r}. Supported image source types: 'base64', 'url'.", f"{where}.source.type", "invalid_value")
+
+
+def _bad_block(kind: Any, where: str, supported: str) -> Exception:
+    return invalid(f"Invalid value: {kind!r}. Supported content block types here: {supported}.", f"{where}.type", "invalid_value")
+
+
+def _tool(value: Any, param: str) -> ToolSpec:
+    t = f.obj(value, param)
+    if t.get("type") not in (None, "custom"):
+        raise invalid(f"Invalid value: {t.get('type')!r}. Only client tools ('custom', or no type) are supported.", f"{param}.type", "invalid_value")
+    return ToolSpec(
+        name=f.string(need(t, "name", f"{param}.name"), f"{param}.name", allow_empty=False),
+        description=f.string(t.get("description") or "", f"{param}.description"),
+        parameters_json=orjson.dumps(f.obj(need(t, "input_schema", f"{param}.input_schema"), f"{param}.input_schema")).decode(),
+    )
+
+
+def _tool_choice(value: Any) -> tuple[str | None, bool]:
+    """`tool_choice` → (IR choice, parallel_tool_calls); `disable_parallel_tool_use` clears the latter."""
+    if value is None:
+        return None, True
+    choice = f.obj(value, "tool_choice")
+    kind = f.string(need(choice, "type", "tool_choice.type"), "tool_choice.type")
+    parallel = not f.boolean(choice["disable_parallel_tool_use"], "tool_choice.disable_parallel_tool_use") if choice.get("disable_parallel_tool_use") is not None else True
+    if kind == "tool":
+        return f"function:{f.string(need(choice, 'name', 'tool_choice.name'), 'tool_choice.name', allow_empty=False)}", parallel
+    if kind not in TOOL_CHOICES:
+        raise invalid(f"Invalid value: '{kind}'. Supported values are: 'auto', 'any', 'tool' and 'none'.", "tool_choice.type", "invalid_value")
+    return TOOL_CHOICES[kind], parallel
+
+
+def _check_thinking(value: Any) -> None:
+    if value is None:
+        return
+    thinking = f.obj(value, "thinking")
+    kind = f.string(need(thinking, "type", "thinking.type"), "thinking.type")
+    if kind not in THINKING_TYPES:
+        raise invalid(f"Invalid value: '{kind}'. Supported values are: 'enabled', 'disabled' and 'adaptive'.", "thinking.type", "invalid_value")
+    if kind == "enabled":
+        f.integer(need(thinking, "budget_tokens", "thinking.budget_tokens"), "thinking.budget_tokens", lo=1, hi=f.MAX_TOKENS_CAP)
+
+
+def _metadata(value: Any) -> tuple[tuple[str, str], ...]:
+    if value is None:
+        return ()
+    user_id = f.obj(value, "metadata").get("user_id")
+    return (("user_id", f.string(user_id, "metadata.user_id")),) if user_id is not None else ()

@@ -1,0 +1,182 @@
+"""The HTTP app (blacksheep): routes, admission, and the hand-off to Redis and the encoders.
+
+Flow per request: read JSON → protocol parser → IR → render the prompt (token ids into the IR) →
+admission checks → XADD → answer by tailing the request's delta stream (SSE or one JSON body).
+Every check happens before any SSE header; nothing invalid is XADDed.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import orjson
+from blacksheep import Application, Content, Response
+from blacksheep import Request as HttpRequest
+from blacksheep.server.sse import ServerSentEventsResponse
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from encoders import openai_chat as chat_enc
+from encoders.frames import Frame
+from encoders.wire import StreamEncoder, collect, sse_events, tail
+from ingest import openai_chat
+from ingest.errors import error_body, status_for
+from ingest.publish import cancel, submit
+from models.prompt import PromptRenderer
+from shared import keys
+from shared.deltas import StreamDelta
+from shared.errors import ApiError, invalid
+from shared.ir import ImagePart, Protocol, Request
+from shared.settings import Settings
+
+log = logging.getLogger("met.api")
+
+Handler = Callable[[HttpRequest], Awaitable[Response]]
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    raw = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    return Response(status, raw, Content(b"application/json", orjson.dumps(body)))
+
+
+class Api:
+    """Holds what the routes share: settings, the Redis client, the prompt renderer."""
+
+    def __init__(self, settings: Settings, renderer: PromptRenderer) -> None:
+        self.settings = settings
+        self.renderer = renderer
+        self.model_name = settings.served_model_name or renderer.info.name
+        self.redis: Redis = Redis.from_url(settings.redis_url or "redis://127.0.0.1:6379")
+        self.started = int(time.time())
+
+    # ---- shared steps -------------------------------------------------------------------------
+
+    async def read_json(self, http: HttpRequest) -> Any:
+        raw = await http.read()
+        try:
+            return orjson.loads(raw or b"")
+        except orjson.JSONDecodeError:
+            raise invalid(
+                "We could not parse the JSON body of your request. Send a valid JSON object as the body.", None, "invalid_json"
+            ) from None
+
+    def prepare(self, request: Request, body: Any) -> Request:
+        """Render the prompt, check it against the context, and attach token ids and the raw body."""
+        if not self.renderer.info.vision and any(isinstance(p, ImagePart) for m in request.messages for p in m.content):
+            raise invalid(f"The model {self.model_name} does not accept images.", "messages", "image_not_supported")
+        prompt = self.renderer.render(request)
+        limit = self.renderer.info.max_model_len
+        if len(prompt) >= limit:
+            raise invalid(
+                f"This model's maximum context length is {limit} tokens. However, your messages resulted in {len(prompt)} tokens.",
+                "messages",
+                "context_length_exceeded",
+            )
+        max_tokens = request.sampling.max_tokens
+        if max_tokens is not None and len(prompt) + max_tokens > limit:
+            raise invalid(
+                f"This model's maximum context length is {limit} tokens. However, you requested {len(prompt) + max_tokens} tokens "
+                f"({len(prompt)} in the messages, {max_tokens} in the completion).",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return replace(request, prompt_token_ids=tuple(prompt), raw_body=orjson.dumps(body).decode())
+
+    async def publish(self, request: Request) -> None:
+        try:
+            await submit(self.redis, request)
+        except RedisError as exc:
+            log.error("redis unavailable: %s", type(exc).__name__)
+            raise ApiError("The request queue is unavailable; try again shortly.", status=503, kind="unavailable", code="queue_unavailable") from None
+
+    def deltas(self, request: Request) -> Any:
+        deadline = request.created + self.settings.request_timeout + 30
+        return tail(self.redis, request.id, ping_interval=self.settings.ping_interval, deadline=deadline)
+
+    def stream(self, request: Request, encoder: StreamEncoder, ping: Callable[[], list[Frame]]) -> Response:
+        async def abandon() -> None:
+            await cancel(self.redis, request.id)
+
+        return ServerSentEventsResponse(
+            lambda: sse_events(self.deltas(request), encoder, ping=ping, on_abandon=abandon),
+            headers=[(b"Cache-Control", b"no-cache"), (b"X-Accel-Buffering", b"no"), (b"X-Request-Id", request.id.encode())],
+        )
+
+    async def collect(self, http: HttpRequest, request: Request) -> list[StreamDelta]:
+        async def abandon() -> None:
+            await cancel(self.redis, request.id)
+
+        return await collect(self.deltas(request), is_disconnected=http.is_disconnected, on_abandon=abandon)
+
+    # ---- routes -------------------------------------------------------------------------------
+
+    async def health(self, http: HttpRequest) -> Response:
+        return json_response({"status": "ok"})
+
+    async def ready(self, http: HttpRequest) -> Response:
+        try:
+            await self.redis.ping()
+            alive = await self.redis.zrangebyscore(keys.WORKERS_ALIVE, time.time() - self.settings.heartbeat_ttl, "+inf")
+        except RedisError:
+            return json_response({"status": "unavailable", "redis": False, "workers": 0}, 503)
+        status = 200 if alive else 503
+        return json_response({"status": "ready" if alive else "no_workers", "redis": True, "workers": len(alive)}, status)
+
+    async def models(self, http: HttpRequest) -> Response:
+        card = {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "metrale", "max_model_len": self.renderer.info.max_model_len}
+        return json_response({"object": "list", "data": [card]})
+
+    async def chat_completions(self, http: HttpRequest) -> Response:
+        body = await self.read_json(http)
+        request = openai_chat.parse(body, request_id=new_id(), created=time.time())
+        request = self.prepare(request, body)
+        await self.publish(request)
+        if request.stream:
+            return self.stream(request, chat_enc.ChatStreamEncoder(request), ping=lambda: [])
+        acc = chat_enc.ChatCompletionAccumulator(request)
+        for delta in await self.collect(http, request):
+            acc.feed(delta)
+        if acc.error is not None:
+            raise ApiError(acc.error.message, status=503 if acc.error.kind.value == "overloaded_error" else 500, kind="internal")
+        return json_response(chat_enc.chat_completion_body(request, [acc]))
+
+
+def new_id() -> str:
+    return secrets.token_hex(12)
+
+
+def guarded(protocol: Protocol, handler: Handler) -> Handler:
+    """Turn an `ApiError` (or an unexpected failure) into the protocol's error body."""
+
+    async def run(http: HttpRequest) -> Response:
+        try:
+            return await handler(http)
+        except ApiError as err:
+            headers = {"Retry-After": str(max(1, round(err.retry_after)))} if err.retry_after else None
+            return json_response(error_body(protocol, err), status_for(protocol, err), headers)
+        except Exception:
+            log.exception("unhandled error on %s", http.url.path)
+            err = ApiError("The server had an error while processing your request.", status=500, kind="internal")
+            return json_response(error_body(protocol, err), 500)
+
+    return run
+
+
+def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
+    api = Api(settings, renderer)
+    app = Application()
+    app.router.add_get("/health", guarded(Protocol.OPENAI_CHAT, api.health))
+    app.router.add_get("/ready", guarded(Protocol.OPENAI_CHAT, api.ready))
+    app.router.add_get("/v1/models", guarded(Protocol.OPENAI_CHAT, api.models))
+    app.router.add_post("/v1/chat/completions", guarded(Protocol.OPENAI_CHAT, api.chat_completions))
+
+    async def close(_: Application) -> None:
+        await api.redis.aclose()
+
+    app.on_stop += close
+    return app

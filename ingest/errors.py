@@ -1,0 +1,48 @@
+"""Render an `ApiError` in the shape of the protocol the client spoke.
+
+OpenAI (chat and Responses): `{"error": {"message", "type", "param", "code"}}`.
+Anthropic: `{"type": "error", "error": {"type", "message"}}` with its own type names and 529 for overload.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.errors import ApiError
+from shared.ir import Protocol
+
+_OPENAI_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "rate_limit": "rate_limit_error",
+    "overloaded": "rate_limit_error",
+    "too_large": "invalid_request_error",
+    "unavailable": "service_unavailable_error",
+    "internal": "server_error",
+}
+_ANTHROPIC_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "rate_limit": "rate_limit_error",
+    "overloaded": "overloaded_error",
+    "too_large": "request_too_large",
+    "unavailable": "api_error",
+    "internal": "api_error",
+}
+
+
+def error_body(protocol: Protocol, err: ApiError) -> dict[str, Any]:
+    if protocol is Protocol.ANTHROPIC_MESSAGES:
+        message = f"{err.param}: {err.message}" if err.param and err.param not in err.message else err.message
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(err.kind, "api_error"), "message": message}}
+    return {"error": {"message": err.message, "type": _OPENAI_TYPES.get(err.kind, "server_error"), "param": err.param, "code": err.code}}
+
+
+def status_for(protocol: Protocol, err: ApiError) -> int:
+    if protocol is Protocol.ANTHROPIC_MESSAGES and err.kind == "overloaded":
+        return 529
+    return err.status

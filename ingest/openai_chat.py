@@ -1,0 +1,191 @@
+"""OpenAI Chat Completions body → `Request` IR (pure; raises `ApiError` naming the bad parameter).
+
+Unknown fields are ignored, as OpenAI does. `user` is accepted and dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ingest import fields as f
+from shared.errors import invalid
+from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
+
+ROLES = {r.value: r for r in Role}
+MAX_MESSAGES = 2048
+MAX_TOOLS = 128
+
+
+def parse(body: Any, *, request_id: str, created: float) -> Request:
+    body = f.obj(body, "body") if isinstance(body, dict) else _not_object(body)
+    model = f.string(f.require(body, "model"), "model", allow_empty=False)
+    messages = tuple(_message(m, i) for i, m in enumerate(f.array(f.require(body, "messages"), "messages", max_items=MAX_MESSAGES, allow_empty=False)))
+    stream = f.boolean(body["stream"], "stream") if body.get("stream") is not None else False
+    include_usage = False
+    if body.get("stream_options") is not None:
+        if not stream:
+            raise invalid("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
+        opts = f.obj(body["stream_options"], "stream_options")
+        if opts.get("include_usage") is not None:
+            include_usage = f.boolean(opts["include_usage"], "stream_options.include_usage")
+    tools = tuple(_tool(t, i) for i, t in enumerate(f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS)))
+    return Request(
+        id=request_id,
+        protocol=Protocol.OPENAI_CHAT,
+        model=model,
+        messages=messages,
+        sampling=sampling(body, stream=stream),
+        stream=stream,
+        include_usage=include_usage,
+        tools=tools,
+        tool_choice=_tool_choice(body.get("tool_choice")),
+        parallel_tool_calls=f.boolean(body["parallel_tool_calls"], "parallel_tool_calls") if body.get("parallel_tool_calls") is not None else True,
+        return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
+        priority=f.integer(body["priority"], "priority", lo=-(2**31), hi=2**31) if body.get("priority") is not None else 0,
+        created=created,
+        metadata=_metadata(body.get("metadata")),
+        endpoint="/v1/chat/completions",
+    )
+
+
+def _not_object(body: Any) -> Any:
+    raise invalid("The request body must be a JSON object.", None, "invalid_body")
+
+
+def sampling(body: dict[str, Any], *, stream: bool) -> SamplingParams:
+    """Sampling fields shared by the OpenAI surfaces (chat uses all of them)."""
+    max_tokens = None
+    for name in ("max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None:
+            max_tokens = f.integer(body[name], name, lo=1, hi=f.MAX_TOKENS_CAP)
+            break
+    n = f.integer(body["n"], "n", lo=1, hi=1) if body.get("n") is not None else 1
+    logprobs = f.boolean(body["logprobs"], "logprobs") if body.get("logprobs") is not None else False
+    top_logprobs = f.integer(body["top_logprobs"], "top_logprobs", lo=0, hi=20) if body.get("top_logprobs") is not None else 0
+    if top_logprobs and not logprobs:
+        raise invalid("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+    return SamplingParams(
+        temperature=_opt_number(body, "temperature", 0.0, 2.0),
+        top_p=_opt_number(body, "top_p", 0.0, 1.0),
+        top_k=f.integer(body["top_k"], "top_k", lo=-1, hi=1_000_000) if body.get("top_k") is not None else None,
+        min_p=_opt_number(body, "min_p", 0.0, 1.0),
+        seed=f.integer(body["seed"], "seed", lo=-(2**63), hi=2**64 - 1) if body.get("seed") is not None else None,
+        max_tokens=max_tokens,
+        min_tokens=f.integer(body["min_tokens"], "min_tokens", lo=0, hi=f.MAX_TOKENS_CAP) if body.get("min_tokens") is not None else 0,
+        stop=f.stop_list(body.get("stop"), "stop"),
+        stop_token_ids=tuple(f.integer(t, "stop_token_ids", lo=0) for t in f.array(body.get("stop_token_ids") or [], "stop_token_ids", max_items=64)),
+        presence_penalty=_opt_number(body, "presence_penalty", -2.0, 2.0) or 0.0,
+        frequency_penalty=_opt_number(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+        repetition_penalty=_opt_number(body, "repetition_penalty", 0.01, 10.0),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        n=n,
+        ignore_eos=f.boolean(body["ignore_eos"], "ignore_eos") if body.get("ignore_eos") is not None else False,
+    )
+
+
+def _opt_number(body: dict[str, Any], name: str, lo: float, hi: float) -> float | None:
+    return f.number(body[name], name, lo=lo, hi=hi) if body.get(name) is not None else None
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    bias = f.obj(value, "logit_bias")
+    if len(bias) > 300:
+        raise invalid("Invalid 'logit_bias': at most 300 entries.", "logit_bias")
+    out = []
+    for key, b in bias.items():
+        if not str(key).lstrip("-").isdigit():
+            raise invalid(f"Invalid 'logit_bias': key {key!r} is not a token id.", "logit_bias")
+        out.append((int(key), f.number(b, f"logit_bias.{key}", lo=-100, hi=100)))
+    return tuple(out)
+
+
+def _metadata(value: Any) -> tuple[tuple[str, str], ...]:
+    if value is None:
+        return ()
+    meta = f.obj(value, "metadata")
+    return tuple((str(k), f.string(v, f"metadata.{k}")) for k, v in meta.items())
+
+
+def _content(value: Any, param: str) -> tuple[ContentPart, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (TextPart(text=value),)
+    parts: list[ContentPart] = []
+    for i, part in enumerate(f.array(value, param)):
+        p = f.obj(part, f"{param}[{i}]")
+        kind = p.get("type")
+        if kind == "text":
+            parts.append(TextPart(text=f.string(f.require(p, "text"), f"{param}[{i}].text")))
+        elif kind == "image_url":
+            image = f.obj(f.require(p, "image_url"), f"{param}[{i}].image_url")
+            parts.append(ImagePart(url=f.string(f.require(image, "url"), f"{param}[{i}].image_url.url")))
+        else:
+            raise invalid(f"Invalid value: {kind!r}. Supported content part types: 'text', 'image_url'.", f"{param}[{i}].type")
+    return tuple(parts)
+
+
+def _message(value: Any, i: int) -> Message:
+    param = f"messages[{i}]"
+    m = f.obj(value, param)
+    role_name = f.string(f.require(m, "role"), f"{param}.role")
+    role = ROLES.get(role_name)
+    if role is None:
+        raise invalid(f"Invalid value: '{role_name}'. Supported values are: 'system', 'developer', 'user', 'assistant', and 'tool'.", f"{param}.role", "invalid_value")
+    tool_calls: tuple[ToolCall, ...] = ()
+    if role is Role.ASSISTANT and m.get("tool_calls"):
+        tool_calls = tuple(_tool_call(c, f"{param}.tool_calls[{j}]") for j, c in enumerate(f.array(m["tool_calls"], f"{param}.tool_calls")))
+    if "content" not in m and not tool_calls:
+        raise invalid(f"Missing required parameter: '{param}.content'.", f"{param}.content", "missing_required_parameter")
+    tool_call_id = None
+    if role is Role.TOOL:
+        tool_call_id = f.string(f.require(m, "tool_call_id"), f"{param}.tool_call_id")
+    return Message(
+        role=role,
+        content=_content(m.get("content"), f"{param}.content"),
+        name=f.string(m["name"], f"{param}.name") if m.get("name") is not None else None,
+        tool_calls=tool_calls,
+        tool_call_id=tool_call_id,
+        reasoning=m.get("reasoning_content") if isinstance(m.get("reasoning_content"), str) else None,
+    )
+
+
+def _tool_call(value: Any, param: str) -> ToolCall:
+    c = f.obj(value, param)
+    fn = f.obj(f.require(c, "function"), f"{param}.function")
+    return ToolCall(
+        id=f.string(f.require(c, "id"), f"{param}.id"),
+        name=f.string(f.require(fn, "name"), f"{param}.function.name"),
+        arguments=f.string(fn.get("arguments", "{}"), f"{param}.function.arguments"),
+    )
+
+
+def _tool(value: Any, i: int) -> ToolSpec:
+    param = f"tools[{i}]"
+    t = f.obj(value, param)
+    if t.get("type") != "function":
+        raise invalid(f"Invalid value: {t.get('type')!r}. Supported values are: 'function'.", f"{param}.type")
+    fn = f.obj(f.require(t, "function"), f"{param}.function")
+    return ToolSpec(
+        name=f.string(f.require(fn, "name"), f"{param}.function.name", allow_empty=False),
+        description=f.string(fn.get("description") or "", f"{param}.function.description"),
+        parameters_json=orjson.dumps(f.obj(fn.get("parameters") or {}, f"{param}.function.parameters")).decode(),
+    )
+
+
+def _tool_choice(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise invalid(f"Invalid value: '{value}'. Supported values are: 'auto', 'none', 'required'.", "tool_choice")
+        return value
+    choice = f.obj(value, "tool_choice")
+    fn = f.obj(f.require(choice, "function"), "tool_choice.function")
+    return f"function:{f.string(f.require(fn, 'name'), 'tool_choice.function.name')}"

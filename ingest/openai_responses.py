@@ -1,0 +1,215 @@
+"""OpenAI Responses body (POST /v1/responses) → `Request` IR (pure; raises `ApiError` naming the bad parameter).
+
+Owns: the mapping of Responses fields onto the IR. `instructions` becomes a leading system message;
+`input` items become messages, with each run of assistant-side items (`reasoning`, assistant `message`,
+`function_call`) merged into one assistant turn, as chat templates expect; `function_call_output`
+becomes a TOOL message. `store` and `previous_response_id` are not IR: read them with `store_flag()`
+and `previous_response_id()` (the app resolves the previous response). Unknown fields are ignored.
+Must not: do I/O, look up stored responses, or render templates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from ingest import fields as f
+from ingest.anthropic_messages import need
+from ingest.openai_chat import _metadata as metadata_pairs
+from ingest.openai_chat import sampling
+from shared.errors import invalid
+from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, TextPart, ToolCall, ToolSpec
+
+ROLES = {"user": Role.USER, "assistant": Role.ASSISTANT, "system": Role.SYSTEM, "developer": Role.DEVELOPER}
+TEXT_PARTS = ("input_text", "output_text")
+# Sampling fields the Responses API shares, name for name, with chat (so `sampling()` names them right).
+SHARED_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
+MAX_ITEMS = 2048
+MAX_TOOLS = 128
+
+
+def parse(body: Any, *, request_id: str, created: float) -> Request:
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.", None, "invalid_body")
+    model = f.string(f.require(body, "model"), "model", allow_empty=False)
+    previous = previous_response_id(body)
+    messages: list[Message] = []
+    if body.get("instructions") is not None:
+        messages.append(Message(role=Role.SYSTEM, content=(TextPart(text=f.string(body["instructions"], "instructions")),)))
+    if body.get("input") is not None or previous is None:
+        messages.extend(_input(f.require(body, "input")))
+    stream = f.boolean(body["stream"], "stream") if body.get("stream") is not None else False
+    params = sampling({k: body[k] for k in SHARED_SAMPLING if k in body}, stream=stream)
+    if body.get("max_output_tokens") is not None:
+        params = replace(params, max_tokens=f.integer(body["max_output_tokens"], "max_output_tokens", lo=1, hi=f.MAX_TOKENS_CAP))
+    store_flag(body)
+    _check_text(body.get("text"))
+    return Request(
+        id=request_id,
+        protocol=Protocol.OPENAI_RESPONSES,
+        model=model,
+        messages=tuple(messages),
+        sampling=params,
+        stream=stream,
+        tools=tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS))),
+        tool_choice=_tool_choice(body.get("tool_choice")),
+        parallel_tool_calls=f.boolean(body["parallel_tool_calls"], "parallel_tool_calls") if body.get("parallel_tool_calls") is not None else True,
+        return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
+        created=created,
+        metadata=metadata_pairs(body.get("metadata")),
+        endpoint="/v1/responses",
+    )
+
+
+def store_flag(body: dict[str, Any]) -> bool:
+    """`store` (default true): whether the app keeps the response for a later `previous_response_id`."""
+    return f.boolean(body["store"], "store") if body.get("store") is not None else True
+
+
+def previous_response_id(body: dict[str, Any]) -> str | None:
+    """The response this one continues, or None; the app loads it and prepends its conversation."""
+    value = body.get("previous_response_id")
+    return f.string(value, "previous_response_id", allow_empty=False) if value is not None else None
+
+
+def _input(value: Any) -> list[Message]:
+    if isinstance(value, str):
+        return [Message(role=Role.USER, content=(TextPart(text=value),))]
+    out: list[Message] = []
+    turn = _AssistantTurn()
+    for i, raw in enumerate(f.array(value, "input", max_items=MAX_ITEMS)):
+        param = f"input[{i}]"
+        item = f.obj(raw, param)
+        kind = item.get("type", "message")
+        if kind == "message" and item.get("role") == "assistant":
+            turn.parts.extend(_content(need(item, "content", f"{param}.content"), f"{param}.content"))
+        elif kind == "function_call":
+            turn.calls.append(_function_call(item, param))
+        elif kind == "reasoning":
+            turn.reasoning.append(_reasoning(item, param))
+        elif kind in ("message", "function_call_output"):
+            out.extend(turn.flush())
+            out.append(_message(item, param) if kind == "message" else _function_call_output(item, param))
+        else:
+            supported = "'message', 'function_call', 'function_call_output', 'reasoning'"
+            raise invalid(f"Invalid value: {kind!r}. Supported input item types: {supported}.", f"{param}.type", "invalid_value")
+    out.extend(turn.flush())
+    return out
+
+
+class _AssistantTurn:
+    """Consecutive assistant-side items, merged into one assistant message when a non-assistant item follows."""
+
+    def __init__(self) -> None:
+        self.parts: list[ContentPart] = []
+        self.calls: list[ToolCall] = []
+        self.reasoning: list[str] = []
+
+    def flush(self) -> list[Message]:
+        if not (self.parts or self.calls or self.reasoning):
+            return []
+        message = Message(
+            role=Role.ASSISTANT,
+            content=tuple(self.parts),
+            tool_calls=tuple(self.calls),
+            reasoning="".join(self.reasoning) if self.reasoning else None,
+        )
+        self.parts, self.calls, self.reasoning = [], [], []
+        return [message]
+
+
+def _message(item: dict[str, Any], param: str) -> Message:
+    role_name = f.string(need(item, "role", f"{param}.role"), f"{param}.role")
+    role = ROLES.get(role_name)
+    if role is None:
+        raise invalid(f"Invalid value: '{role_name}'. Supported values are: 'user', 'assistant', 'system' and 'developer'.", f"{param}.role", "invalid_value")
+    return Message(role=role, content=_content(need(item, "content", f"{param}.content"), f"{param}.content"))
+
+
+def _content(value: Any, param: str) -> tuple[ContentPart, ...]:
+    if isinstance(value, str):
+        return (TextPart(text=value),)
+    parts: list[ContentPart] = []
+    for j, raw in enumerate(f.array(value, param)):
+        where = f"{param}[{j}]"
+        part = f.obj(raw, where)
+        kind = part.get("type")
+        if kind in TEXT_PARTS:
+            parts.append(TextPart(text=f.string(need(part, "text", f"{where}.text"), f"{where}.text")))
+        elif kind == "refusal":
+            parts.append(TextPart(text=f.string(need(part, "refusal", f"{where}.refusal"), f"{where}.refusal")))
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if url is None:
+                raise invalid("Only images given by 'image_url' are supported (no file ids).", f"{where}.image_url", "missing_required_parameter")
+            parts.append(ImagePart(url=f.string(url, f"{where}.image_url", allow_empty=False)))
+        else:
+            supported = "'input_text', 'output_text', 'refusal', 'input_image'"
+            raise invalid(f"Invalid value: {kind!r}. Supported content types: {supported}.", f"{where}.type", "invalid_value")
+    return tuple(parts)
+
+
+def _function_call(item: dict[str, Any], param: str) -> ToolCall:
+    return ToolCall(
+        id=f.string(need(item, "call_id", f"{param}.call_id"), f"{param}.call_id", allow_empty=False),
+        name=f.string(need(item, "name", f"{param}.name"), f"{param}.name", allow_empty=False),
+        arguments=f.string(need(item, "arguments", f"{param}.arguments"), f"{param}.arguments"),
+    )
+
+
+def _function_call_output(item: dict[str, Any], param: str) -> Message:
+    call_id = f.string(need(item, "call_id", f"{param}.call_id"), f"{param}.call_id", allow_empty=False)
+    output = item.get("output")
+    if output is None:
+        raise invalid(f"Missing required parameter: '{param}.output'.", f"{param}.output", "missing_required_parameter")
+    return Message(role=Role.TOOL, content=_content(output, f"{param}.output"), tool_call_id=call_id)
+
+
+def _reasoning(item: dict[str, Any], param: str) -> str:
+    """The reasoning text: its `content` (raw reasoning) when given, else its `summary`."""
+    for key in ("content", "summary"):
+        texts = []
+        for j, raw in enumerate(f.array(item.get(key) or [], f"{param}.{key}")):
+            part = f.obj(raw, f"{param}.{key}[{j}]")
+            texts.append(f.string(need(part, "text", f"{param}.{key}[{j}].text"), f"{param}.{key}[{j}].text"))
+        if texts:
+            return "".join(texts)
+    return ""
+
+
+def _tool(value: Any, param: str) -> ToolSpec:
+    t = f.obj(value, param)
+    if t.get("type") != "function":
+        raise invalid(f"Invalid value: {t.get('type')!r}. Supported tool types: 'function'.", f"{param}.type", "invalid_value")
+    return ToolSpec(
+        name=f.string(need(t, "name", f"{param}.name"), f"{param}.name", allow_empty=False),
+        description=f.string(t.get("description") or "", f"{param}.description"),
+        parameters_json=orjson.dumps(f.obj(t.get("parameters") or {}, f"{param}.parameters")).decode(),
+    )
+
+
+def _tool_choice(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise invalid(f"Invalid value: '{value}'. Supported values are: 'auto', 'none', 'required'.", "tool_choice", "invalid_value")
+        return value
+    choice = f.obj(value, "tool_choice")
+    if choice.get("type") != "function":
+        raise invalid(f"Invalid value: {choice.get('type')!r}. Supported tool_choice types: 'function'.", "tool_choice.type", "invalid_value")
+    return f"function:{f.string(need(choice, 'name', 'tool_choice.name'), 'tool_choice.name', allow_empty=False)}"
+
+
+def _check_text(value: Any) -> None:
+    """`text.format` is accepted (text, json_object, json_schema); no constrained decoding is applied."""
+    if value is None:
+        return
+    text = f.obj(value, "text")
+    if text.get("format") is not None:
+        fmt = f.obj(text["format"], "text.format")
+        kind = fmt.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise invalid(f"Invalid value: {kind!r}. Supported values are: 'text', 'json_object' and 'json_schema'.", "text.format.type", "invalid_value")

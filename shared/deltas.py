@@ -1,0 +1,181 @@
+"""`StreamDelta`: the provider-neutral events a worker appends to a request's delta stream.
+
+Owns: the delta types, `FinishReason` (with the one per-protocol mapping table) and `Usage`.
+Every delta carries `token_ids` (the tokens that produced it) and `attempt` (which claim of the
+request wrote it): recovery needs both; encoders strip them unless the client asked for token ids.
+Must not: know wire formats (encoders/) or storage field names (codec).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class FinishReason(str, enum.Enum):
+    """Why generation ended. The single mapping table every encoder reads:
+
+    ============== ================== ================ ===============================
+    FinishReason   OpenAI chat        Anthropic        Responses status (reason)
+    ============== ================== ================ ===============================
+    STOP           "stop"             "end_turn"       completed
+    STOP_SEQUENCE  "stop"             "stop_sequence"  completed
+    LENGTH         "length"           "max_tokens"     incomplete (max_output_tokens)
+    TOOL_CALLS     "tool_calls"       "tool_use"       completed
+    REFUSAL        "content_filter"   "refusal"        incomplete (content_filter)
+    CANCELLED      "stop"             "end_turn"       cancelled
+    TIMEOUT        "length"           "max_tokens"     incomplete (max_output_tokens)
+    ============== ================== ================ ===============================
+
+    CANCELLED only reaches clients that are gone or that replay a dump; TIMEOUT is the per-request
+    deadline, reported like a length cut since no protocol has a better word for it.
+    """
+
+    STOP = "stop"
+    STOP_SEQUENCE = "stop_sequence"
+    LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
+    REFUSAL = "refusal"
+    CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
+
+    @property
+    def openai(self) -> str:
+        return _OPENAI[self]
+
+    @property
+    def anthropic(self) -> str:
+        return _ANTHROPIC[self]
+
+    @property
+    def responses_status(self) -> str:
+        return _RESPONSES[self][0]
+
+    @property
+    def responses_incomplete_reason(self) -> str | None:
+        return _RESPONSES[self][1]
+
+
+_OPENAI = {
+    FinishReason.STOP: "stop",
+    FinishReason.STOP_SEQUENCE: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.TOOL_CALLS: "tool_calls",
+    FinishReason.REFUSAL: "content_filter",
+    FinishReason.CANCELLED: "stop",
+    FinishReason.TIMEOUT: "length",
+}
+_ANTHROPIC = {
+    FinishReason.STOP: "end_turn",
+    FinishReason.STOP_SEQUENCE: "stop_sequence",
+    FinishReason.LENGTH: "max_tokens",
+    FinishReason.TOOL_CALLS: "tool_use",
+    FinishReason.REFUSAL: "refusal",
+    FinishReason.CANCELLED: "end_turn",
+    FinishReason.TIMEOUT: "max_tokens",
+}
+_RESPONSES: dict[FinishReason, tuple[str, str | None]] = {
+    FinishReason.STOP: ("completed", None),
+    FinishReason.STOP_SEQUENCE: ("completed", None),
+    FinishReason.LENGTH: ("incomplete", "max_output_tokens"),
+    FinishReason.TOOL_CALLS: ("completed", None),
+    FinishReason.REFUSAL: ("incomplete", "content_filter"),
+    FinishReason.CANCELLED: ("cancelled", None),
+    FinishReason.TIMEOUT: ("incomplete", "max_output_tokens"),
+}
+
+
+class ErrorKind(str, enum.Enum):
+    """What went wrong after a request was accepted (mapped to each protocol's error type)."""
+
+    INTERNAL = "api_error"
+    OVERLOADED = "overloaded_error"
+    INVALID_REQUEST = "invalid_request_error"
+    TIMEOUT = "timeout_error"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenLogprob:
+    token: str
+    token_id: int
+    logprob: float
+    top: tuple[tuple[str, int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Content:
+    text: str
+    token_ids: tuple[int, ...] = ()
+    attempt: int = 1
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reasoning:
+    text: str
+    token_ids: tuple[int, ...] = ()
+    attempt: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCallStart:
+    index: int
+    id: str
+    name: str
+    token_ids: tuple[int, ...] = ()
+    attempt: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCallArgs:
+    index: int
+    arguments: str
+    token_ids: tuple[int, ...] = ()
+    attempt: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Refusal:
+    text: str
+    token_ids: tuple[int, ...] = ()
+    attempt: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finish:
+    """Terminal. `token_ids` holds generated tokens not attached to an earlier delta (held-back text)."""
+
+    reason: FinishReason
+    usage: Usage
+    matched_stop: str | None = None
+    token_ids: tuple[int, ...] = ()
+    attempt: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Error:
+    """Terminal. `message` is safe to show a client; no stack traces, no secrets."""
+
+    message: str
+    kind: ErrorKind = ErrorKind.INTERNAL
+    attempt: int = 1
+
+
+StreamDelta = Content | Reasoning | ToolCallStart | ToolCallArgs | Refusal | Finish | Error
+TERMINAL = (Finish, Error)
+
+
+def is_terminal(delta: StreamDelta) -> bool:
+    return isinstance(delta, TERMINAL)

@@ -1,0 +1,148 @@
+"""The provider-neutral request IR.
+
+Owns: the frozen, slotted, keyword-only types every protocol parser produces and every worker consumes.
+Must not: know any protocol's field names (parsers in ingest/ map onto these), or hold I/O handles.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Protocol(str, enum.Enum):
+    """The API surface a request arrived on; encoders are chosen by it."""
+
+    OPENAI_CHAT = "openai_chat"
+    ANTHROPIC_MESSAGES = "anthropic_messages"
+    OPENAI_RESPONSES = "openai_responses"
+
+
+class Role(str, enum.Enum):
+    SYSTEM = "system"
+    DEVELOPER = "developer"
+    USER = "user"
+    ASSISTANT = "assistant"
+    TOOL = "tool"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ImagePart:
+    """An image the client sent; only a vision model may accept it (parsers reject it otherwise)."""
+
+    url: str = ""
+    media_type: str = ""
+
+
+ContentPart = TextPart | ImagePart
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCall:
+    """A call the assistant made earlier in the conversation (arguments: a JSON document as text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    role: Role
+    content: tuple[ContentPart, ...] = ()
+    name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolSpec:
+    """A function the model may call; parameters is its JSON Schema serialized as JSON text."""
+
+    name: str
+    description: str = ""
+    parameters_json: str = "{}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """Per-request sampling. `None` means "not given": resolved once by `resolve()` with this precedence:
+
+    request value → the model's generation config → the fallback written in `FALLBACK`.
+    After resolution no field is None except `seed` (None = nondeterministic) and `max_tokens`
+    (None = up to the context length).
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def resolve(params: SamplingParams, model_defaults: dict[str, float | int]) -> SamplingParams:
+    """Fill every unset sampling field: request → model generation config → FALLBACK."""
+    from dataclasses import replace
+
+    filled: dict[str, float | int] = {}
+    for name, fallback in FALLBACK.items():
+        if getattr(params, name) is None:
+            filled[name] = model_defaults.get(name, fallback)
+    return replace(params, **filled) if filled else params
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Request:
+    """One accepted request, as every role sees it.
+
+    `prompt_token_ids` is filled by ingest after rendering the chat template, so a worker never
+    re-renders and a recorded request replays exactly. `raw_body` keeps the client's JSON (secrets
+    never live in bodies we accept; headers are not recorded).
+    """
+
+    id: str
+    protocol: Protocol
+    model: str
+    messages: tuple[Message, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stream: bool = False
+    include_usage: bool = False
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: str | None = None
+    parallel_tool_calls: bool = True
+    return_token_ids: bool = False
+    priority: int = 0
+    created: float = 0.0
+    metadata: tuple[tuple[str, str], ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    endpoint: str = ""
+    raw_body: str = ""

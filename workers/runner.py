@@ -1,0 +1,171 @@
+"""The runner: all torch and transformers code of a worker. Plain functions, tensor shapes in comments.
+
+KV cache design (`SlotKVCache`): per-slot preallocated buffers, one [slots, kv_heads, max_len,
+head_dim] tensor pair per layer. A sequence owns one slot from admission to finish, so a step never
+copies a sequence's cache; the decode batch reads `buf[slots, :, :kv_len]` (a view when the slots are
+contiguous) under a boolean mask giving each row its own length. The number of slots comes from the
+KV memory budget (`--kv-budget-mb`) and `max_len`, never from "all free RAM". It plugs into any
+transformers decoder through the `Cache` interface and a prepared 4-D mask, so `--model` is not tied
+to one architecture.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.cache_utils import Cache
+
+from workers.sampling import SamplerRow, sample
+from workers.scheduler import PrefillChunk, Sequence, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str) -> torch.dtype:
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+    if name not in table:
+        raise ValueError(f"--dtype {name!r}: choose one of {', '.join(table)}")
+    return table[name]
+
+
+def load_model(folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, model: Any, dtype: torch.dtype) -> KVGeometry:
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        return cls(cfg.num_hidden_layers, kv_heads, head_dim, dtype)
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+
+class SlotKVCache(Cache):
+    """Per-slot KV buffers behind transformers' `Cache.update`. `bind()` says where a forward writes."""
+
+    def __init__(self, geometry: KVGeometry, *, num_slots: int, max_len: int, device: torch.device) -> None:
+        super().__init__(layers=[])
+        shape = (num_slots, geometry.kv_heads, max_len, geometry.head_dim)
+        self.keys = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.layers)]
+        self.values = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.layers)]
+        self._slots = torch.zeros(0, dtype=torch.long, device=device)
+        self._positions = torch.zeros(0, dtype=torch.long, device=device)
+        self._range: tuple[int, int] | None = None
+        self._kv_len = 0
+
+    def bind(self, slots: list[int], positions: torch.Tensor, kv_len: int) -> None:
+        """slots: B slot ids; positions: [B, T] cache positions this forward writes; kv_len: keys to read."""
+        device = self.keys[0].device
+        self._slots = torch.tensor(slots, dtype=torch.long, device=device)
+        self._positions = positions
+        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        self._range = (slots[0], slots[0] + len(slots)) if contiguous else None
+        self._kv_len = kv_len
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # key_states, value_states: [B, kv_heads, T, head_dim]
+        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
+        rows = self._slots[:, None]  # [B, 1] broadcast against positions [B, T]
+        k_buf[rows, :, self._positions] = key_states.transpose(1, 2)  # indexed view: [B, T, kv_heads, head_dim]
+        v_buf[rows, :, self._positions] = value_states.transpose(1, 2)
+        if self._range is not None:
+            lo, hi = self._range
+            return k_buf[lo:hi, :, : self._kv_len], v_buf[lo:hi, :, : self._kv_len]  # views [B, kv_heads, kv_len, head_dim]
+        return k_buf[self._slots, :, : self._kv_len], v_buf[self._slots, :, : self._kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._kv_len
+
+    def move(self, src: int, dst: int) -> None:
+        for buf in (*self.keys, *self.values):
+            buf[dst].copy_(buf[src])
+
+
+class TorchRunner:
+    """Executes a `StepPlan`: one batched decode forward, then one forward per prefill chunk."""
+
+    def __init__(self, model: Any, *, max_len: int, kv_budget_mb: int, max_slots: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.device = device
+        geometry = KVGeometry.of(model, dtype)
+        per_slot = geometry.bytes_per_token() * max_len
+        self.num_slots = max(1, min(max_slots, kv_budget_mb * 2**20 // per_slot))
+        self.max_len = max_len
+        self.kv_bytes = per_slot * self.num_slots
+        self.cache = SlotKVCache(geometry, num_slots=self.num_slots, max_len=max_len, device=device)
+        self._generators: dict[str, torch.Generator] = {}
+        log.info("KV cache: %d slots x %d tokens (%.0f MiB)", self.num_slots, max_len, self.kv_bytes / 2**20)
+
+    def release(self, seq: Sequence) -> None:
+        self._generators.pop(seq.key, None)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
+        rows: list[Sequence] = []
+        logits: list[torch.Tensor] = []
+        if plan.decode:
+            logits.append(self._decode(plan.decode))
+            rows.extend(plan.decode)
+        for chunk in plan.prefill:
+            out = self._prefill(chunk)
+            if chunk.completes_prompt:
+                logits.append(out)
+                rows.append(chunk.seq)
+        if not rows:
+            return []
+        stacked = torch.cat(logits).float()  # [B, vocab]
+        tokens = sample(stacked, [self._sampler_row(s) for s in rows])
+        return list(zip(rows, tokens, strict=True))
+
+    def _sampler_row(self, seq: Sequence) -> SamplerRow:
+        params = seq.request.sampling
+        gen = self._generators.get(seq.key)
+        if gen is None and params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed % 2**63)
+            self._generators[seq.key] = gen
+        return SamplerRow(params=params, generator=gen, history=seq.output)
+
+    def _forward(self, slots: list[int], input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [B, T]; returns last-position logits [B, vocab]
+        kv_len = int(positions.max().item()) + 1
+        key_pos = torch.arange(kv_len, device=self.device)  # [kv_len]
+        mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, kv_len] causal per row
+        self.cache.bind(slots, positions, kv_len)
+        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def _decode(self, seqs: tuple[Sequence, ...]) -> torch.Tensor:
+        slots = [s.slot for s in seqs]
+        input_ids = torch.tensor([[s.output[-1]] for s in seqs], device=self.device)  # [B, 1]
+        positions = torch.tensor([[s.computed] for s in seqs], device=self.device)  # [B, 1]
+        return self._forward(slots, input_ids, positions)  # type: ignore[arg-type]
+
+    def _prefill(self, chunk: PrefillChunk) -> torch.Tensor:
+        seq = chunk.seq
+        input_ids = torch.tensor([seq.prompt[chunk.start : chunk.end]], device=self.device)  # [1, T]
+        positions = torch.arange(chunk.start, chunk.end, device=self.device)[None, :]  # [1, T]
+        assert seq.slot is not None
+        return self._forward([seq.slot], input_ids, positions)
