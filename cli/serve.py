@@ -10,7 +10,11 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import fields, replace
+from types import FrameType
 
 import uvicorn
 from redis.asyncio import Redis
@@ -37,25 +41,47 @@ def spawn_worker(settings: Settings) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "cli.main", "worker"], env=settings_env(settings))
 
 
-async def run_api(settings: Settings) -> None:
-    """Serve the API until uvicorn's own Ctrl-C / SIGTERM handling stops it."""
+class _Server(uvicorn.Server):
+    """uvicorn's server, but on Ctrl-C / SIGTERM it first runs `before_exit` (stop the workers, which
+    end their in-flight requests with a terminal event) while the API keeps streaming, then exits.
+    A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, before_exit: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._before_exit = before_exit
+        self._exiting = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._exiting or self._before_exit is None:
+            super().handle_exit(sig, frame)
+            return
+        self._exiting = True
+        before_exit = self._before_exit
+
+        def drain() -> None:
+            before_exit()
+            super(_Server, self).handle_exit(sig, frame)
+
+        threading.Thread(target=drain, daemon=True).start()
+
+
+async def run_api(settings: Settings, before_exit: Callable[[], None] | None = None) -> None:
+    """Serve the API until Ctrl-C / SIGTERM."""
     from ingest.app import build_app
     from models.files import local_folder
     from models.prompt import PromptRenderer
 
-    name, folder = await asyncio.to_thread(local_folder, settings.model, settings.data_dir)
+    name, folder = await asyncio.to_thread(local_folder, settings.model, settings.model_cache)
     renderer = await asyncio.to_thread(PromptRenderer.load, folder, name=name, max_model_len=settings.max_model_len)
     app = build_app(settings, renderer)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-    await uvicorn.Server(config).serve()
+    await _Server(config, before_exit).serve()
 
 
 async def _announce_when_ready(settings: Settings, workers: int) -> None:
     redis = Redis.from_url(settings.redis_url or "")
     try:
         while True:
-            import time
-
             alive = await redis.zrangebyscore(keys.WORKERS_ALIVE, time.time() - settings.heartbeat_ttl, "+inf")
             if len(alive) >= workers:
                 print(f"Metrale ready: http://{settings.host}:{settings.port}/v1  ({workers} worker(s), redis {settings.redis_url})", flush=True)
@@ -65,30 +91,50 @@ async def _announce_when_ready(settings: Settings, workers: int) -> None:
         await redis.aclose()
 
 
-async def _supervise(settings: Settings, procs: list[subprocess.Popen[bytes]]) -> None:
+async def _supervise(settings: Settings, procs: list[subprocess.Popen[bytes]], stopping: threading.Event) -> None:
     while True:
         await asyncio.sleep(1.0)
         for i, proc in enumerate(procs):
-            if proc.poll() is not None:
+            if proc.poll() is not None and not stopping.is_set():
                 log.warning("worker pid %d exited with %s; starting a new one", proc.pid, proc.returncode)
                 procs[i] = spawn_worker(settings)
+
+
+def stop_workers(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def serve(settings: Settings) -> None:
     from models.files import local_folder
 
     os.makedirs(settings.data_dir, exist_ok=True)
-    local_folder(settings.model, settings.data_dir)  # convert a GGUF once, before workers race for it
+    local_folder(settings.model, settings.model_cache)  # convert a GGUF once, before workers race for it
     embedded = None
     if not settings.redis_url:
         embedded = EmbeddedRedis(settings.data_dir)
         settings = replace(settings, redis_url=embedded.start())
     procs = [spawn_worker(settings) for _ in range(settings.workers)]
 
+    stopping = threading.Event()
+
+    def before_exit() -> None:
+        stopping.set()
+        stop_workers(procs)
+
     async def main() -> None:
-        background = [asyncio.ensure_future(_announce_when_ready(settings, settings.workers)), asyncio.ensure_future(_supervise(settings, procs))]
+        background = [
+            asyncio.ensure_future(_announce_when_ready(settings, settings.workers)),
+            asyncio.ensure_future(_supervise(settings, procs, stopping)),
+        ]
         try:
-            await run_api(settings)
+            await run_api(settings, before_exit)
         finally:
             for task in background:
                 task.cancel()
@@ -96,14 +142,8 @@ def serve(settings: Settings) -> None:
     try:
         asyncio.run(main())
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stopping.set()
+        stop_workers(procs)
         if embedded:
             embedded.stop()
         print("Metrale stopped.", flush=True)

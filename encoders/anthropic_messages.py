@@ -96,7 +96,10 @@ class _MessageState:
     def message(self, *, streaming: bool) -> dict[str, Any]:
         """The Message object: empty with null stop reason for `message_start`, else what was built so far."""
         r, done = self.request, self.finish
-        usage = {"input_tokens": done.usage.prompt_tokens if done else len(r.prompt_token_ids), "output_tokens": done.usage.completion_tokens if done else 0}
+        usage = {
+            "input_tokens": done.usage.prompt_tokens if done else len(r.prompt_token_ids),
+            "output_tokens": done.usage.completion_tokens if done else 0,
+        }
         body: dict[str, Any] = {
             "id": message_id(r),
             "type": "message",
@@ -145,7 +148,13 @@ class _MessageState:
         events: list[dict[str, Any]] = []
         if self.blocks[index]["type"] == "thinking":
             self.blocks[index]["signature"] = thinking_signature(self.request, index)
-            events.append({"type": "content_block_delta", "index": index, "delta": {"type": "signature_delta", "signature": self.blocks[index]["signature"]}})
+            events.append(
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "signature_delta", "signature": self.blocks[index]["signature"]},
+                }
+            )
         events.append({"type": "content_block_stop", "index": index})
         return events
 
@@ -154,7 +163,13 @@ class _MessageState:
 
     def _message_delta(self, finish: Finish) -> dict[str, Any]:
         usage = {"input_tokens": finish.usage.prompt_tokens, "output_tokens": finish.usage.completion_tokens}
-        return self._with_ids({"type": "message_delta", "delta": {"stop_reason": finish.reason.anthropic, "stop_sequence": _stop_sequence(finish)}, "usage": usage})
+        return self._with_ids(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": finish.reason.anthropic, "stop_sequence": _stop_sequence(finish)},
+                "usage": usage,
+            }
+        )
 
     def _with_ids(self, payload: dict[str, Any]) -> dict[str, Any]:
         if self.request.return_token_ids:

@@ -12,11 +12,14 @@ import orjson
 class Frame:
     data: str
     event: str | None = None
+    comment: str | None = None  # an SSE comment line (keep-alive where the protocol has no ping event)
 
     def to_sse(self) -> bytes:
         """The exact bytes on the wire (used by tests and `met replay --encode-only`)."""
-        head = f"event: {self.event}\n" if self.event else ""
-        return f"{head}data: {self.data}\n\n".encode()
+        head = f": {self.comment}\n" if self.comment else ""
+        head += f"event: {self.event}\n" if self.event else ""
+        body = f"data: {self.data}\n" if self.data else ""
+        return f"{head}{body}\n".encode()
 
 
 def json_frame(payload: dict[str, Any], event: str | None = None) -> Frame:

@@ -103,7 +103,9 @@ class _ResponseState:
         elif isinstance(delta, ToolCallStart):
             events += self._close("completed")
             self._tool_items[delta.index] = len(self.items)
-            events += self._add({"type": "function_call", "status": "in_progress", "arguments": "", "call_id": delta.id, "name": delta.name})
+            events += self._add(
+                {"type": "function_call", "status": "in_progress", "arguments": "", "call_id": delta.id, "name": delta.name}
+            )
         elif isinstance(delta, ToolCallArgs):
             index = self._tool_items.get(delta.index)
             if index is not None and index == self._open and delta.arguments:
@@ -140,7 +142,13 @@ class _ResponseState:
             "text": self._echo["text"],
             "tool_choice": _tool_choice(r.tool_choice),
             "tools": [
-                {"type": "function", "name": t.name, "description": t.description or None, "parameters": orjson.loads(t.parameters_json), "strict": None}
+                {
+                    "type": "function",
+                    "name": t.name,
+                    "description": t.description or None,
+                    "parameters": orjson.loads(t.parameters_json),
+                    "strict": None,
+                }
                 for t in r.tools
             ],
             "top_p": s.top_p,
@@ -174,9 +182,21 @@ class _ResponseState:
         if not parts or parts[-1]["type"] != part_type:
             events += self._close_part(index)
             parts.append(_empty_part(part_type))
-            events.append({"type": "response.content_part.added", **self._where(index), "content_index": len(parts) - 1, "part": _empty_part(part_type)})
+            events.append(
+                {
+                    "type": "response.content_part.added",
+                    **self._where(index),
+                    "content_index": len(parts) - 1,
+                    "part": _empty_part(part_type),
+                }
+            )
         parts[-1][PART_TEXT_KEY[part_type]] += text
-        event: dict[str, Any] = {"type": f"{PART_EVENT[part_type]}.delta", **self._where(index), "content_index": len(parts) - 1, "delta": text}
+        event: dict[str, Any] = {
+            "type": f"{PART_EVENT[part_type]}.delta",
+            **self._where(index),
+            "content_index": len(parts) - 1,
+            "delta": text,
+        }
         if part_type == "output_text":
             event["logprobs"] = []
         events.append(self._ids(event))
@@ -222,7 +242,11 @@ class _ResponseState:
     def _fail(self, message: str, code: str) -> list[dict[str, Any]]:
         events = self._close("incomplete")
         self.terminal = self.response("failed", error={"code": code, "message": message})
-        return [*events, {"type": "error", "code": code, "message": message, "param": None}, {"type": "response.failed", "response": self.terminal}]
+        return [
+            *events,
+            {"type": "error", "code": code, "message": message, "param": None},
+            {"type": "response.failed", "response": self.terminal},
+        ]
 
     def _where(self, index: int) -> dict[str, Any]:
         return {"item_id": self.items[index]["id"], "output_index": index}

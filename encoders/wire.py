@@ -11,7 +11,8 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from blacksheep.contents import TextServerSentEvent
 from redis.asyncio import Redis
@@ -29,26 +30,22 @@ class StreamEncoder(Protocol):
     def finish(self) -> list[Frame]: ...
 
 
-async def tail(redis: Redis, request_id: str, *, ping_interval: float, deadline: float, block_ms: int = 1000) -> AsyncIterator[StreamDelta | None]:
-    """Yield the request's deltas in order until the terminal one; `None` when a ping is due.
+async def tail(redis: Redis, request_id: str, *, deadline: float, block_ms: int = 500) -> AsyncIterator[StreamDelta | None]:
+    """Yield the request's deltas in order until the terminal one; `None` after each quiet read.
 
     Past `deadline` (unix time) without a terminal event, yield a synthesized timeout Error so no
     client is left hanging (e.g. no worker is alive to claim the request).
     """
     key = keys.delta_stream(request_id)
     last = "0-0"
-    quiet_since = time.monotonic()
     while True:
-        reply = await redis.xread({key: last}, count=512, block=block_ms)
+        reply: Any = await redis.xread({key: last}, count=512, block=block_ms)
         if not reply:
             if time.time() > deadline:
                 yield Error(message="The request timed out before a worker finished it.", kind=ErrorKind.TIMEOUT, attempt=0)
                 return
-            if time.monotonic() - quiet_since >= ping_interval:
-                quiet_since = time.monotonic()
-                yield None
+            yield None
             continue
-        quiet_since = time.monotonic()
         for _stream, entries in reply:
             for entry_id, fields in entries:
                 last = entry_id
@@ -59,7 +56,16 @@ async def tail(redis: Redis, request_id: str, *, ping_interval: float, deadline:
 
 
 def to_sse(frame: Frame) -> TextServerSentEvent:
-    return TextServerSentEvent(frame.data, event=frame.event)
+    return TextServerSentEvent(frame.data, event=frame.event, comment=frame.comment)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLink:
+    """How the wire learns the client is gone, and what to do then (flag the cancel)."""
+
+    is_disconnected: Callable[[], Awaitable[bool]]
+    on_abandon: Callable[[], Awaitable[None]]
+    check_every: float = 0.25
 
 
 async def sse_events(
@@ -67,37 +73,40 @@ async def sse_events(
     encoder: StreamEncoder,
     *,
     ping: Callable[[], list[Frame]],
-    on_abandon: Callable[[], Awaitable[None]],
+    ping_interval: float,
+    client: ClientLink,
 ) -> AsyncIterator[TextServerSentEvent]:
-    """Encode deltas as SSE. If the client goes away before the terminal event, call `on_abandon`."""
+    """Encode deltas as SSE, pinging after `ping_interval` of silence. The ASGI server drops writes to
+    a closed connection silently, so the client is polled; if it is gone before the terminal event,
+    stop and call `on_abandon` (which flags the cancel the worker acts on)."""
     completed = False
+    last_sent = last_check = time.monotonic()
     try:
         async for delta in deltas:
+            now = time.monotonic()
+            if now - last_check >= client.check_every:
+                last_check = now
+                if await client.is_disconnected():
+                    break
             if delta is None:
-                frames = ping()
-                if not frames:
-                    yield TextServerSentEvent("", comment="ping")
-                for frame in frames:
-                    yield to_sse(frame)
-                continue
-            for frame in encoder.feed(delta):
+                if now - last_sent < ping_interval:
+                    continue
+                frames = ping() or [Frame("", comment="ping")]
+            else:
+                frames = encoder.feed(delta)
+                completed = is_terminal(delta)
+            for frame in frames:
                 yield to_sse(frame)
-            if is_terminal(delta):
-                completed = True
-        for frame in encoder.finish():
-            yield to_sse(frame)
+            last_sent = now
+        else:
+            for frame in encoder.finish():
+                yield to_sse(frame)
     finally:
         if not completed:
-            await asyncio.shield(on_abandon())
+            await asyncio.shield(client.on_abandon())
 
 
-async def collect(
-    deltas: AsyncIterator[StreamDelta | None],
-    *,
-    is_disconnected: Callable[[], Awaitable[bool]],
-    on_abandon: Callable[[], Awaitable[None]],
-    poll_s: float = 0.5,
-) -> list[StreamDelta]:
+async def collect(deltas: AsyncIterator[StreamDelta | None], *, client: ClientLink) -> list[StreamDelta]:
     """Gather a non-streaming request's deltas; a client that disconnects meanwhile cancels it."""
 
     async def gather() -> list[StreamDelta]:
@@ -106,10 +115,10 @@ async def collect(
     task = asyncio.ensure_future(gather())
     try:
         while not task.done():
-            await asyncio.wait({task}, timeout=poll_s)
-            if not task.done() and await is_disconnected():
+            await asyncio.wait({task}, timeout=client.check_every)
+            if not task.done() and await client.is_disconnected():
                 task.cancel()
-                await on_abandon()
+                await client.on_abandon()
                 break
         return await task
     finally:

@@ -46,7 +46,9 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
             top_p=f.number(body["top_p"], "top_p", lo=0.0, hi=1.0) if body.get("top_p") is not None else None,
             top_k=f.integer(body["top_k"], "top_k", lo=0, hi=1_000_000) if body.get("top_k") is not None else None,
             max_tokens=max_tokens,
-            stop=f.stop_list(f.array(body["stop_sequences"], "stop_sequences"), "stop_sequences") if body.get("stop_sequences") is not None else (),
+            stop=f.stop_list(f.array(body["stop_sequences"], "stop_sequences"), "stop_sequences")
+            if body.get("stop_sequences") is not None
+            else (),
         ),
         stream=f.boolean(body["stream"], "stream") if body.get("stream") is not None else False,
         tools=tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS))),
@@ -59,13 +61,6 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
     )
 
 
-def need(value: dict[str, Any], key: str, param: str) -> Any:
-    """`value[key]`, or an error naming the full path `param` (fields.require names only top-level keys)."""
-    if value.get(key) is None:
-        raise invalid(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
-    return value[key]
-
-
 def _system(value: Any) -> list[Message]:
     if value is None:
         return []
@@ -75,19 +70,23 @@ def _system(value: Any) -> list[Message]:
     for i, block in enumerate(f.array(value, "system")):
         b = f.obj(block, f"system[{i}]")
         if b.get("type") != "text":
-            raise invalid(f"Invalid value: {b.get('type')!r}. The system prompt accepts only 'text' blocks.", f"system[{i}].type", "invalid_value")
-        parts.append(TextPart(text=f.string(need(b, "text", f"system[{i}].text"), f"system[{i}].text")))
+            raise invalid(
+                f"Invalid value: {b.get('type')!r}. The system prompt accepts only 'text' blocks.", f"system[{i}].type", "invalid_value"
+            )
+        parts.append(TextPart(text=f.string(f.require(b, "text", f"system[{i}].text"), f"system[{i}].text")))
     return [Message(role=Role.SYSTEM, content=tuple(parts))] if parts else []
 
 
 def _message(value: Any, param: str) -> list[Message]:
     """One Messages entry → IR messages: a user turn may split into TOOL messages and user text."""
     m = f.obj(value, param)
-    role_name = f.string(need(m, "role", f"{param}.role"), f"{param}.role")
+    role_name = f.string(f.require(m, "role", f"{param}.role"), f"{param}.role")
     role = ROLES.get(role_name)
     if role is None:
-        raise invalid(f"Invalid value: '{role_name}'. Supported values are: 'user', 'assistant' and 'system'.", f"{param}.role", "invalid_value")
-    content = need(m, "content", f"{param}.content")
+        raise invalid(
+            f"Invalid value: '{role_name}'. Supported values are: 'user', 'assistant' and 'system'.", f"{param}.role", "invalid_value"
+        )
+    content = f.require(m, "content", f"{param}.content")
     if isinstance(content, str):
         return [Message(role=role, content=(TextPart(text=content),))]
     blocks = [f.obj(b, f"{param}.content[{j}]") for j, b in enumerate(f.array(content, f"{param}.content"))]
@@ -107,13 +106,13 @@ def _assistant(blocks: list[dict[str, Any]], param: str) -> Message:
         elif kind == "tool_use":
             calls.append(
                 ToolCall(
-                    id=f.string(need(b, "id", f"{where}.id"), f"{where}.id", allow_empty=False),
-                    name=f.string(need(b, "name", f"{where}.name"), f"{where}.name", allow_empty=False),
-                    arguments=orjson.dumps(f.obj(need(b, "input", f"{where}.input"), f"{where}.input")).decode(),
+                    id=f.string(f.require(b, "id", f"{where}.id"), f"{where}.id", allow_empty=False),
+                    name=f.string(f.require(b, "name", f"{where}.name"), f"{where}.name", allow_empty=False),
+                    arguments=orjson.dumps(f.obj(f.require(b, "input", f"{where}.input"), f"{where}.input")).decode(),
                 )
             )
         elif kind == "thinking":
-            reasoning.append(f.string(need(b, "thinking", f"{where}.thinking"), f"{where}.thinking"))
+            reasoning.append(f.string(f.require(b, "thinking", f"{where}.thinking"), f"{where}.thinking"))
         elif kind != "redacted_thinking":
             raise _bad_block(kind, where, "'text', 'tool_use', 'thinking', 'redacted_thinking'")
     return Message(role=Role.ASSISTANT, content=tuple(parts), tool_calls=tuple(calls), reasoning="".join(reasoning) if reasoning else None)
@@ -140,7 +139,7 @@ def _user_or_system(role: Role, blocks: list[dict[str, Any]], param: str) -> lis
 
 
 def _tool_result(b: dict[str, Any], where: str) -> Message:
-    tool_use_id = f.string(need(b, "tool_use_id", f"{where}.tool_use_id"), f"{where}.tool_use_id", allow_empty=False)
+    tool_use_id = f.string(f.require(b, "tool_use_id", f"{where}.tool_use_id"), f"{where}.tool_use_id", allow_empty=False)
     content = b.get("content")
     if content is None or isinstance(content, str):
         parts: tuple[ContentPart, ...] = (TextPart(text=content or ""),)
@@ -162,18 +161,18 @@ def _part(b: dict[str, Any], where: str, *, images: bool) -> ContentPart:
 
 
 def _text(b: dict[str, Any], where: str) -> TextPart:
-    return TextPart(text=f.string(need(b, "text", f"{where}.text"), f"{where}.text"))
+    return TextPart(text=f.string(f.require(b, "text", f"{where}.text"), f"{where}.text"))
 
 
 def _image(b: dict[str, Any], where: str) -> ImagePart:
-    source = f.obj(need(b, "source", f"{where}.source"), f"{where}.source")
+    source = f.obj(f.require(b, "source", f"{where}.source"), f"{where}.source")
     kind = source.get("type")
     if kind == "base64":
-        media_type = f.string(need(source, "media_type", f"{where}.source.media_type"), f"{where}.source.media_type", allow_empty=False)
-        data = f.string(need(source, "data", f"{where}.source.data"), f"{where}.source.data", allow_empty=False)
+        media_type = f.string(f.require(source, "media_type", f"{where}.source.media_type"), f"{where}.source.media_type", allow_empty=False)
+        data = f.string(f.require(source, "data", f"{where}.source.data"), f"{where}.source.data", allow_empty=False)
         return ImagePart(url=f"data:{media_type};base64,{data}", media_type=media_type)
     if kind == "url":
-        return ImagePart(url=f.string(need(source, "url", f"{where}.source.url"), f"{where}.source.url", allow_empty=False))
+        return ImagePart(url=f.string(f.require(source, "url", f"{where}.source.url"), f"{where}.source.url", allow_empty=False))
     raise invalid(f"Invalid value: {kind!r}. Supported image source types: 'base64', 'url'.", f"{where}.source.type", "invalid_value")
 
 
@@ -184,11 +183,13 @@ def _bad_block(kind: Any, where: str, supported: str) -> Exception:
 def _tool(value: Any, param: str) -> ToolSpec:
     t = f.obj(value, param)
     if t.get("type") not in (None, "custom"):
-        raise invalid(f"Invalid value: {t.get('type')!r}. Only client tools ('custom', or no type) are supported.", f"{param}.type", "invalid_value")
+        raise invalid(
+            f"Invalid value: {t.get('type')!r}. Only client tools ('custom', or no type) are supported.", f"{param}.type", "invalid_value"
+        )
     return ToolSpec(
-        name=f.string(need(t, "name", f"{param}.name"), f"{param}.name", allow_empty=False),
+        name=f.string(f.require(t, "name", f"{param}.name"), f"{param}.name", allow_empty=False),
         description=f.string(t.get("description") or "", f"{param}.description"),
-        parameters_json=orjson.dumps(f.obj(need(t, "input_schema", f"{param}.input_schema"), f"{param}.input_schema")).decode(),
+        parameters_json=orjson.dumps(f.obj(f.require(t, "input_schema", f"{param}.input_schema"), f"{param}.input_schema")).decode(),
     )
 
 
@@ -197,12 +198,18 @@ def _tool_choice(value: Any) -> tuple[str | None, bool]:
     if value is None:
         return None, True
     choice = f.obj(value, "tool_choice")
-    kind = f.string(need(choice, "type", "tool_choice.type"), "tool_choice.type")
-    parallel = not f.boolean(choice["disable_parallel_tool_use"], "tool_choice.disable_parallel_tool_use") if choice.get("disable_parallel_tool_use") is not None else True
+    kind = f.string(f.require(choice, "type", "tool_choice.type"), "tool_choice.type")
+    parallel = (
+        not f.boolean(choice["disable_parallel_tool_use"], "tool_choice.disable_parallel_tool_use")
+        if choice.get("disable_parallel_tool_use") is not None
+        else True
+    )
     if kind == "tool":
-        return f"function:{f.string(need(choice, 'name', 'tool_choice.name'), 'tool_choice.name', allow_empty=False)}", parallel
+        return f"function:{f.string(f.require(choice, 'name', 'tool_choice.name'), 'tool_choice.name', allow_empty=False)}", parallel
     if kind not in TOOL_CHOICES:
-        raise invalid(f"Invalid value: '{kind}'. Supported values are: 'auto', 'any', 'tool' and 'none'.", "tool_choice.type", "invalid_value")
+        raise invalid(
+            f"Invalid value: '{kind}'. Supported values are: 'auto', 'any', 'tool' and 'none'.", "tool_choice.type", "invalid_value"
+        )
     return TOOL_CHOICES[kind], parallel
 
 
@@ -210,11 +217,13 @@ def _check_thinking(value: Any) -> None:
     if value is None:
         return
     thinking = f.obj(value, "thinking")
-    kind = f.string(need(thinking, "type", "thinking.type"), "thinking.type")
+    kind = f.string(f.require(thinking, "type", "thinking.type"), "thinking.type")
     if kind not in THINKING_TYPES:
-        raise invalid(f"Invalid value: '{kind}'. Supported values are: 'enabled', 'disabled' and 'adaptive'.", "thinking.type", "invalid_value")
+        raise invalid(
+            f"Invalid value: '{kind}'. Supported values are: 'enabled', 'disabled' and 'adaptive'.", "thinking.type", "invalid_value"
+        )
     if kind == "enabled":
-        f.integer(need(thinking, "budget_tokens", "thinking.budget_tokens"), "thinking.budget_tokens", lo=1, hi=f.MAX_TOKENS_CAP)
+        f.integer(f.require(thinking, "budget_tokens", "thinking.budget_tokens"), "thinking.budget_tokens", lo=1, hi=f.MAX_TOKENS_CAP)
 
 
 def _metadata(value: Any) -> tuple[tuple[str, str], ...]:

@@ -10,20 +10,21 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
 import orjson
 from blacksheep import Application, Content, Response
 from blacksheep import Request as HttpRequest
+from blacksheep.contents import TextServerSentEvent
 from blacksheep.server.sse import ServerSentEventsResponse
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from encoders import openai_chat as chat_enc
 from encoders.frames import Frame
-from encoders.wire import StreamEncoder, collect, sse_events, tail
+from encoders.wire import ClientLink, StreamEncoder, collect, sse_events, tail
 from ingest import openai_chat
 from ingest.errors import error_body, status_for
 from ingest.publish import cancel, submit
@@ -96,22 +97,27 @@ class Api:
 
     def deltas(self, request: Request) -> Any:
         deadline = request.created + self.settings.request_timeout + 30
-        return tail(self.redis, request.id, ping_interval=self.settings.ping_interval, deadline=deadline)
+        return tail(self.redis, request.id, deadline=deadline)
 
-    def stream(self, request: Request, encoder: StreamEncoder, ping: Callable[[], list[Frame]]) -> Response:
+    def client_link(self, http: HttpRequest, request: Request) -> ClientLink:
         async def abandon() -> None:
             await cancel(self.redis, request.id)
 
+        return ClientLink(is_disconnected=http.is_disconnected, on_abandon=abandon)
+
+    def stream(self, http: HttpRequest, request: Request, encoder: StreamEncoder, ping: Callable[[], list[Frame]]) -> Response:
+        link = self.client_link(http, request)
+
+        def events() -> AsyncIterator[TextServerSentEvent]:
+            return sse_events(self.deltas(request), encoder, ping=ping, ping_interval=self.settings.ping_interval, client=link)
+
         return ServerSentEventsResponse(
-            lambda: sse_events(self.deltas(request), encoder, ping=ping, on_abandon=abandon),
+            events,
             headers=[(b"Cache-Control", b"no-cache"), (b"X-Accel-Buffering", b"no"), (b"X-Request-Id", request.id.encode())],
         )
 
     async def collect(self, http: HttpRequest, request: Request) -> list[StreamDelta]:
-        async def abandon() -> None:
-            await cancel(self.redis, request.id)
-
-        return await collect(self.deltas(request), is_disconnected=http.is_disconnected, on_abandon=abandon)
+        return await collect(self.deltas(request), client=self.client_link(http, request))
 
     # ---- routes -------------------------------------------------------------------------------
 
@@ -137,7 +143,7 @@ class Api:
         request = self.prepare(request, body)
         await self.publish(request)
         if request.stream:
-            return self.stream(request, chat_enc.ChatStreamEncoder(request), ping=lambda: [])
+            return self.stream(http, request, chat_enc.ChatStreamEncoder(request), ping=lambda: [])
         acc = chat_enc.ChatCompletionAccumulator(request)
         for delta in await self.collect(http, request):
             acc.feed(delta)
@@ -161,8 +167,8 @@ def guarded(protocol: Protocol, handler: Handler) -> Handler:
             return json_response(error_body(protocol, err), status_for(protocol, err), headers)
         except Exception:
             log.exception("unhandled error on %s", http.url.path)
-            err = ApiError("The server had an error while processing your request.", status=500, kind="internal")
-            return json_response(error_body(protocol, err), 500)
+            internal = ApiError("The server had an error while processing your request.", status=500, kind="internal")
+            return json_response(error_body(protocol, internal), 500)
 
     return run
 

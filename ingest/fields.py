@@ -14,9 +14,11 @@ MAX_STOP = 16
 MAX_TOKENS_CAP = 1_000_000
 
 
-def require(body: dict[str, Any], name: str) -> Any:
-    if name not in body or body[name] is None:
-        raise invalid(f"Missing required parameter: '{name}'.", name, "missing_required_parameter")
+def require(body: dict[str, Any], name: str, param: str | None = None) -> Any:
+    """`body[name]`, or an error naming `param` (the full path, e.g. `messages[0].role`; default `name`)."""
+    if body.get(name) is None:
+        param = param or name
+        raise invalid(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
     return body[name]
 
 

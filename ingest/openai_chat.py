@@ -45,7 +45,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
         priority=f.integer(body["priority"], "priority", lo=-(2**31), hi=2**31) if body.get("priority") is not None else 0,
         created=created,
-        metadata=_metadata(body.get("metadata")),
+        metadata=metadata(body.get("metadata")),
         endpoint="/v1/chat/completions",
     )
 
@@ -105,7 +105,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def _metadata(value: Any) -> tuple[tuple[str, str], ...]:
+def metadata(value: Any) -> tuple[tuple[str, str], ...]:
     if value is None:
         return ()
     meta = f.obj(value, "metadata")
@@ -122,10 +122,10 @@ def _content(value: Any, param: str) -> tuple[ContentPart, ...]:
         p = f.obj(part, f"{param}[{i}]")
         kind = p.get("type")
         if kind == "text":
-            parts.append(TextPart(text=f.string(f.require(p, "text"), f"{param}[{i}].text")))
+            parts.append(TextPart(text=f.string(f.require(p, "text", f"{param}[{i}].text"), f"{param}[{i}].text")))
         elif kind == "image_url":
-            image = f.obj(f.require(p, "image_url"), f"{param}[{i}].image_url")
-            parts.append(ImagePart(url=f.string(f.require(image, "url"), f"{param}[{i}].image_url.url")))
+            image = f.obj(f.require(p, "image_url", f"{param}[{i}].image_url"), f"{param}[{i}].image_url")
+            parts.append(ImagePart(url=f.string(f.require(image, "url", f"{param}[{i}].image_url.url"), f"{param}[{i}].image_url.url")))
         else:
             raise invalid(f"Invalid value: {kind!r}. Supported content part types: 'text', 'image_url'.", f"{param}[{i}].type")
     return tuple(parts)
@@ -134,7 +134,7 @@ def _content(value: Any, param: str) -> tuple[ContentPart, ...]:
 def _message(value: Any, i: int) -> Message:
     param = f"messages[{i}]"
     m = f.obj(value, param)
-    role_name = f.string(f.require(m, "role"), f"{param}.role")
+    role_name = f.string(f.require(m, "role", f"{param}.role"), f"{param}.role")
     role = ROLES.get(role_name)
     if role is None:
         raise invalid(f"Invalid value: '{role_name}'. Supported values are: 'system', 'developer', 'user', 'assistant', and 'tool'.", f"{param}.role", "invalid_value")
@@ -145,7 +145,7 @@ def _message(value: Any, i: int) -> Message:
         raise invalid(f"Missing required parameter: '{param}.content'.", f"{param}.content", "missing_required_parameter")
     tool_call_id = None
     if role is Role.TOOL:
-        tool_call_id = f.string(f.require(m, "tool_call_id"), f"{param}.tool_call_id")
+        tool_call_id = f.string(f.require(m, "tool_call_id", f"{param}.tool_call_id"), f"{param}.tool_call_id")
     return Message(
         role=role,
         content=_content(m.get("content"), f"{param}.content"),
@@ -158,10 +158,10 @@ def _message(value: Any, i: int) -> Message:
 
 def _tool_call(value: Any, param: str) -> ToolCall:
     c = f.obj(value, param)
-    fn = f.obj(f.require(c, "function"), f"{param}.function")
+    fn = f.obj(f.require(c, "function", f"{param}.function"), f"{param}.function")
     return ToolCall(
-        id=f.string(f.require(c, "id"), f"{param}.id"),
-        name=f.string(f.require(fn, "name"), f"{param}.function.name"),
+        id=f.string(f.require(c, "id", f"{param}.id"), f"{param}.id"),
+        name=f.string(f.require(fn, "name", f"{param}.function.name"), f"{param}.function.name"),
         arguments=f.string(fn.get("arguments", "{}"), f"{param}.function.arguments"),
     )
 
@@ -171,9 +171,9 @@ def _tool(value: Any, i: int) -> ToolSpec:
     t = f.obj(value, param)
     if t.get("type") != "function":
         raise invalid(f"Invalid value: {t.get('type')!r}. Supported values are: 'function'.", f"{param}.type")
-    fn = f.obj(f.require(t, "function"), f"{param}.function")
+    fn = f.obj(f.require(t, "function", f"{param}.function"), f"{param}.function")
     return ToolSpec(
-        name=f.string(f.require(fn, "name"), f"{param}.function.name", allow_empty=False),
+        name=f.string(f.require(fn, "name", f"{param}.function.name"), f"{param}.function.name", allow_empty=False),
         description=f.string(fn.get("description") or "", f"{param}.function.description"),
         parameters_json=orjson.dumps(f.obj(fn.get("parameters") or {}, f"{param}.function.parameters")).decode(),
     )
@@ -187,5 +187,6 @@ def _tool_choice(value: Any) -> str | None:
             raise invalid(f"Invalid value: '{value}'. Supported values are: 'auto', 'none', 'required'.", "tool_choice")
         return value
     choice = f.obj(value, "tool_choice")
-    fn = f.obj(f.require(choice, "function"), "tool_choice.function")
-    return f"function:{f.string(f.require(fn, 'name'), 'tool_choice.function.name')}"
+    fn = f.obj(f.require(choice, "function", "tool_choice.function"), "tool_choice.function")
+    name = f.string(f.require(fn, "name", "tool_choice.function.name"), "tool_choice.function.name")
+    return f"function:{name}"

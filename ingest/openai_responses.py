@@ -16,8 +16,7 @@ from typing import Any
 import orjson
 
 from ingest import fields as f
-from ingest.anthropic_messages import need
-from ingest.openai_chat import _metadata as metadata_pairs
+from ingest.openai_chat import metadata as metadata_pairs
 from ingest.openai_chat import sampling
 from shared.errors import invalid
 from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, TextPart, ToolCall, ToolSpec
@@ -55,7 +54,9 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         stream=stream,
         tools=tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS))),
         tool_choice=_tool_choice(body.get("tool_choice")),
-        parallel_tool_calls=f.boolean(body["parallel_tool_calls"], "parallel_tool_calls") if body.get("parallel_tool_calls") is not None else True,
+        parallel_tool_calls=f.boolean(body["parallel_tool_calls"], "parallel_tool_calls")
+        if body.get("parallel_tool_calls") is not None
+        else True,
         return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
         created=created,
         metadata=metadata_pairs(body.get("metadata")),
@@ -84,7 +85,7 @@ def _input(value: Any) -> list[Message]:
         item = f.obj(raw, param)
         kind = item.get("type", "message")
         if kind == "message" and item.get("role") == "assistant":
-            turn.parts.extend(_content(need(item, "content", f"{param}.content"), f"{param}.content"))
+            turn.parts.extend(_content(f.require(item, "content", f"{param}.content"), f"{param}.content"))
         elif kind == "function_call":
             turn.calls.append(_function_call(item, param))
         elif kind == "reasoning":
@@ -121,11 +122,15 @@ class _AssistantTurn:
 
 
 def _message(item: dict[str, Any], param: str) -> Message:
-    role_name = f.string(need(item, "role", f"{param}.role"), f"{param}.role")
+    role_name = f.string(f.require(item, "role", f"{param}.role"), f"{param}.role")
     role = ROLES.get(role_name)
     if role is None:
-        raise invalid(f"Invalid value: '{role_name}'. Supported values are: 'user', 'assistant', 'system' and 'developer'.", f"{param}.role", "invalid_value")
-    return Message(role=role, content=_content(need(item, "content", f"{param}.content"), f"{param}.content"))
+        raise invalid(
+            f"Invalid value: '{role_name}'. Supported values are: 'user', 'assistant', 'system' and 'developer'.",
+            f"{param}.role",
+            "invalid_value",
+        )
+    return Message(role=role, content=_content(f.require(item, "content", f"{param}.content"), f"{param}.content"))
 
 
 def _content(value: Any, param: str) -> tuple[ContentPart, ...]:
@@ -137,13 +142,15 @@ def _content(value: Any, param: str) -> tuple[ContentPart, ...]:
         part = f.obj(raw, where)
         kind = part.get("type")
         if kind in TEXT_PARTS:
-            parts.append(TextPart(text=f.string(need(part, "text", f"{where}.text"), f"{where}.text")))
+            parts.append(TextPart(text=f.string(f.require(part, "text", f"{where}.text"), f"{where}.text")))
         elif kind == "refusal":
-            parts.append(TextPart(text=f.string(need(part, "refusal", f"{where}.refusal"), f"{where}.refusal")))
+            parts.append(TextPart(text=f.string(f.require(part, "refusal", f"{where}.refusal"), f"{where}.refusal")))
         elif kind == "input_image":
             url = part.get("image_url")
             if url is None:
-                raise invalid("Only images given by 'image_url' are supported (no file ids).", f"{where}.image_url", "missing_required_parameter")
+                raise invalid(
+                    "Only images given by 'image_url' are supported (no file ids).", f"{where}.image_url", "missing_required_parameter"
+                )
             parts.append(ImagePart(url=f.string(url, f"{where}.image_url", allow_empty=False)))
         else:
             supported = "'input_text', 'output_text', 'refusal', 'input_image'"
@@ -153,14 +160,14 @@ def _content(value: Any, param: str) -> tuple[ContentPart, ...]:
 
 def _function_call(item: dict[str, Any], param: str) -> ToolCall:
     return ToolCall(
-        id=f.string(need(item, "call_id", f"{param}.call_id"), f"{param}.call_id", allow_empty=False),
-        name=f.string(need(item, "name", f"{param}.name"), f"{param}.name", allow_empty=False),
-        arguments=f.string(need(item, "arguments", f"{param}.arguments"), f"{param}.arguments"),
+        id=f.string(f.require(item, "call_id", f"{param}.call_id"), f"{param}.call_id", allow_empty=False),
+        name=f.string(f.require(item, "name", f"{param}.name"), f"{param}.name", allow_empty=False),
+        arguments=f.string(f.require(item, "arguments", f"{param}.arguments"), f"{param}.arguments"),
     )
 
 
 def _function_call_output(item: dict[str, Any], param: str) -> Message:
-    call_id = f.string(need(item, "call_id", f"{param}.call_id"), f"{param}.call_id", allow_empty=False)
+    call_id = f.string(f.require(item, "call_id", f"{param}.call_id"), f"{param}.call_id", allow_empty=False)
     output = item.get("output")
     if output is None:
         raise invalid(f"Missing required parameter: '{param}.output'.", f"{param}.output", "missing_required_parameter")
@@ -173,7 +180,7 @@ def _reasoning(item: dict[str, Any], param: str) -> str:
         texts = []
         for j, raw in enumerate(f.array(item.get(key) or [], f"{param}.{key}")):
             part = f.obj(raw, f"{param}.{key}[{j}]")
-            texts.append(f.string(need(part, "text", f"{param}.{key}[{j}].text"), f"{param}.{key}[{j}].text"))
+            texts.append(f.string(f.require(part, "text", f"{param}.{key}[{j}].text"), f"{param}.{key}[{j}].text"))
         if texts:
             return "".join(texts)
     return ""
@@ -184,7 +191,7 @@ def _tool(value: Any, param: str) -> ToolSpec:
     if t.get("type") != "function":
         raise invalid(f"Invalid value: {t.get('type')!r}. Supported tool types: 'function'.", f"{param}.type", "invalid_value")
     return ToolSpec(
-        name=f.string(need(t, "name", f"{param}.name"), f"{param}.name", allow_empty=False),
+        name=f.string(f.require(t, "name", f"{param}.name"), f"{param}.name", allow_empty=False),
         description=f.string(t.get("description") or "", f"{param}.description"),
         parameters_json=orjson.dumps(f.obj(t.get("parameters") or {}, f"{param}.parameters")).decode(),
     )
@@ -199,8 +206,10 @@ def _tool_choice(value: Any) -> str | None:
         return value
     choice = f.obj(value, "tool_choice")
     if choice.get("type") != "function":
-        raise invalid(f"Invalid value: {choice.get('type')!r}. Supported tool_choice types: 'function'.", "tool_choice.type", "invalid_value")
-    return f"function:{f.string(need(choice, 'name', 'tool_choice.name'), 'tool_choice.name', allow_empty=False)}"
+        raise invalid(
+            f"Invalid value: {choice.get('type')!r}. Supported tool_choice types: 'function'.", "tool_choice.type", "invalid_value"
+        )
+    return f"function:{f.string(f.require(choice, 'name', 'tool_choice.name'), 'tool_choice.name', allow_empty=False)}"
 
 
 def _check_text(value: Any) -> None:
@@ -212,4 +221,8 @@ def _check_text(value: Any) -> None:
         fmt = f.obj(text["format"], "text.format")
         kind = fmt.get("type")
         if kind not in ("text", "json_object", "json_schema"):
-            raise invalid(f"Invalid value: {kind!r}. Supported values are: 'text', 'json_object' and 'json_schema'.", "text.format.type", "invalid_value")
+            raise invalid(
+                f"Invalid value: {kind!r}. Supported values are: 'text', 'json_object' and 'json_schema'.",
+                "text.format.type",
+                "invalid_value",
+            )

@@ -2,7 +2,7 @@
 
 Owns: turning `--model` (the default `smollm2`, an HF model folder, or a `.gguf` path) into a folder
 of HF files. A GGUF is dequantized once through transformers' `gguf_file=` loader (~14 s) and saved
-as safetensors + tokenizer under `<data_dir>/models/` (loads in ~1.5 s next time); a file lock keeps
+as safetensors + tokenizer under the model cache folder (loads in ~1.5 s next time); a file lock keeps
 concurrent workers from converting twice. Nothing is ever downloaded (`HF_HUB_OFFLINE=1` is set).
 """
 
@@ -16,6 +16,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -58,19 +59,19 @@ def locate(spec: str) -> ModelSource:
     raise ModelNotFound(f"--model {spec!r}: not an HF model folder, a .gguf file, or {DEFAULT_SPEC!r}")
 
 
-def cache_folder(source: ModelSource, data_dir: str) -> Path:
+def cache_folder(source: ModelSource, cache_dir: str) -> Path:
     assert source.gguf is not None
     stat = source.gguf.stat()
     key = hashlib.sha256(f"{source.gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return Path(data_dir) / "models" / f"{source.name}-{key}"
+    return Path(cache_dir) / f"{source.name}-{key}"
 
 
-def local_folder(spec: str, data_dir: str) -> tuple[str, Path]:
+def local_folder(spec: str, cache_dir: str) -> tuple[str, Path]:
     """(served name, HF folder), converting a GGUF on first use."""
     source = locate(spec)
     if source.folder is not None:
         return source.name, source.folder
-    target = cache_folder(source, data_dir)
+    target = cache_folder(source, cache_dir)
     if (target / "config.json").exists():
         return source.name, target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +89,7 @@ def _convert_gguf(source: ModelSource, target: Path) -> None:
     assert source.gguf is not None
     folder, filename = str(source.gguf.parent), source.gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.bfloat16)
+    model: Any = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.bfloat16)
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     tmp = target.with_name(target.name + ".tmp")

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why generation ended. The single mapping table every encoder reads:
 
     ============== ================== ================ ===============================
@@ -85,7 +85,7 @@ _RESPONSES: dict[FinishReason, tuple[str, str | None]] = {
 }
 
 
-class ErrorKind(str, enum.Enum):
+class ErrorKind(enum.StrEnum):
     """What went wrong after a request was accepted (mapped to each protocol's error type)."""
 
     INTERNAL = "api_error"

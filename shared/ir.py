@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
-class Protocol(str, enum.Enum):
+class Protocol(enum.StrEnum):
     """The API surface a request arrived on; encoders are chosen by it."""
 
     OPENAI_CHAT = "openai_chat"
@@ -18,7 +19,7 @@ class Protocol(str, enum.Enum):
     OPENAI_RESPONSES = "openai_responses"
 
 
-class Role(str, enum.Enum):
+class Role(enum.StrEnum):
     SYSTEM = "system"
     DEVELOPER = "developer"
     USER = "user"
@@ -113,7 +114,7 @@ def resolve(params: SamplingParams, model_defaults: dict[str, float | int]) -> S
     """Fill every unset sampling field: request → model generation config → FALLBACK."""
     from dataclasses import replace
 
-    filled: dict[str, float | int] = {}
+    filled: dict[str, Any] = {}
     for name, fallback in FALLBACK.items():
         if getattr(params, name) is None:
             filled[name] = model_defaults.get(name, fallback)

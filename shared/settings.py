@@ -30,7 +30,8 @@ class Settings:
     device: str = "auto"
     dtype: str = "bfloat16"
     workers: int = 1
-    data_dir: str = ""
+    data_dir: str = ""  # embedded Redis data and the redis.url file
+    model_cache: str = ""  # converted models (GGUF → safetensors); shared by every data dir
     max_model_len: int = 4096  # longest prompt + output a request may have (capped by the model's context)
     max_running: int = 32  # sequences decoded together in one step
     max_tokens_per_step: int = 512  # prefill + decode tokens one step may process
@@ -55,6 +56,8 @@ class Settings:
         settings = cls(**values)
         if not settings.data_dir:
             settings = replace(settings, data_dir=default_data_dir(environ))
+        if not settings.model_cache:
+            settings = replace(settings, model_cache=os.path.join(default_data_dir(environ), "models"))
         return settings
 
     def with_overrides(self, **overrides: Any) -> Settings:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from models.prompt import ModelInfo
 from shared.deltas import Content, Finish, FinishReason, StreamDelta, Usage, is_terminal
 from shared.ir import Request, resolve
+from shared.settings import Settings
 from workers.detok import IncrementalDetokenizer, StopMatcher
 from workers.scheduler import Scheduler, Sequence, StepPlan
 
@@ -33,8 +34,11 @@ class Runner(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Emission:
+    """A delta for one request; on the terminal one, `batch_max` is the largest decode batch it ran in."""
+
     request_id: str
     delta: StreamDelta
+    batch_max: int = 0
 
     @property
     def terminal(self) -> bool:
@@ -60,22 +64,14 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(
-        self,
-        runner: Runner,
-        tokenizer: Any,
-        info: ModelInfo,
-        *,
-        max_running: int,
-        max_tokens_per_step: int,
-        request_timeout: float = 600.0,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
+    def __init__(self, runner: Runner, tokenizer: Any, info: ModelInfo, *, settings: Settings, clock: Callable[[], float] = time.time) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.info = info
-        self.scheduler = Scheduler(num_slots=runner.num_slots, max_running=max_running, max_tokens_per_step=max_tokens_per_step)
-        self.request_timeout = request_timeout
+        self.scheduler = Scheduler(
+            num_slots=runner.num_slots, max_running=settings.max_running, max_tokens_per_step=settings.max_tokens_per_step
+        )
+        self.request_timeout = settings.request_timeout
         self.clock = clock
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
@@ -110,6 +106,7 @@ class Engine:
         sampled = self.runner.execute(plan)
         for seq in plan.decode:
             seq.computed += 1
+            seq.batch_max = max(seq.batch_max, len(plan.decode))
         for chunk in plan.prefill:
             chunk.seq.computed = chunk.end
         for seq, token in sampled:
@@ -166,7 +163,7 @@ class Engine:
             self.runner.release(seq)
         self.scheduler.finish(seq)
         del self._seqs[seq.key]
-        return Emission(seq.key, delta)
+        return Emission(seq.key, delta, batch_max=seq.batch_max)
 
 
 def _with_resolved_sampling(request: Request, info: ModelInfo) -> Request:

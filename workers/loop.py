@@ -73,7 +73,7 @@ class WorkerLoop:
         count = self._capacity()
         if count == 0:
             return
-        reply = await self.redis.xreadgroup(keys.WORKER_GROUP, self.worker_id, {keys.REQUEST_STREAM: ">"}, count=count, block=block_ms)
+        reply: Any = await self.redis.xreadgroup(keys.WORKER_GROUP, self.worker_id, {keys.REQUEST_STREAM: ">"}, count=count, block=block_ms)
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 await self._accept(_text(entry_id), fields)
@@ -131,7 +131,7 @@ class WorkerLoop:
             self.cancelled_total += 1
         pipe.hset(
             keys.request_meta(rid),
-            mapping={"status": "finished", "outcome": outcome, "finished_at": now, "batch_peak": self.engine.stats.batch_peak},
+            mapping={"status": "finished", "outcome": outcome, "finished_at": now, "batch_max": e.batch_max},
         )
         entry = self._entries.pop(rid, None)
         if entry is not None:
@@ -144,7 +144,7 @@ class WorkerLoop:
         self._last_heartbeat = time.monotonic()
         stats = self.engine.stats
         sched = self.engine.scheduler
-        figures = {
+        figures: dict[Any, Any] = {
             **self.info,
             "pid": os.getpid(),
             "host": socket.gethostname(),

@@ -23,7 +23,7 @@ log = logging.getLogger("met.worker")
 def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
     from workers.runner import TorchRunner, load_model, pick_device, pick_dtype
 
-    name, folder = local_folder(settings.model, settings.data_dir)
+    name, folder = local_folder(settings.model, settings.model_cache)
     renderer = PromptRenderer.load(folder, name=name, max_model_len=settings.max_model_len)
     device, dtype = pick_device(settings.device), pick_dtype(settings.dtype)
     model = load_model(folder, device=device, dtype=dtype)
@@ -39,9 +39,7 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         runner,
         renderer.tokenizer,
         renderer.info,
-        max_running=settings.max_running,
-        max_tokens_per_step=settings.max_tokens_per_step,
-        request_timeout=settings.request_timeout,
+        settings=settings,
     )
     info = {
         "model": settings.served_model_name or name,

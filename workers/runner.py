@@ -40,7 +40,7 @@ def pick_dtype(name: str) -> torch.dtype:
 
 
 def load_model(folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa")
+    model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
 
 

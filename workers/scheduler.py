@@ -42,6 +42,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     arrival: int = field(default_factory=lambda: next(_arrivals))
     state: Any = None  # text state owned by the engine (detokenizer, stop matcher)
+    batch_max: int = 0  # largest decode batch this sequence took part in
 
     @property
     def key(self) -> str:

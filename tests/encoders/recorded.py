@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 from shared.deltas import (
     Content,
     Error,
@@ -19,16 +22,9 @@ from shared.ir import Protocol, Request
 PROMPT_IDS = (101, 102, 103, 104)
 
 
-def request(protocol: Protocol, **overrides: object) -> Request:
-    fields: dict[str, object] = {
-        "id": "req01",
-        "protocol": protocol,
-        "model": "tiny-chat",
-        "messages": (),
-        "created": 1_700_000_000.75,
-        "prompt_token_ids": PROMPT_IDS,
-    } | overrides
-    return Request(**fields)  # type: ignore[arg-type]
+def request(protocol: Protocol, **overrides: Any) -> Request:
+    base = Request(id="req01", protocol=protocol, model="tiny-chat", messages=(), created=1_700_000_000.75, prompt_token_ids=PROMPT_IDS)
+    return replace(base, **overrides)
 
 
 def usage(completion: int, *, reasoning: int = 0, cached: int = 0) -> Usage:

@@ -1,0 +1,143 @@
+"""The official `openai` SDK against a live `met serve` (real Redis, real SmolLM2-135M-Instruct)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from shared import keys
+from shared.codec import decode_delta, decode_request
+from shared.deltas import Content, Finish, FinishReason
+
+from ..conftest import LiveServer
+
+pytestmark = pytest.mark.e2e
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+def api(live_server: LiveServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{live_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as sdk:
+        yield sdk
+
+
+def test_non_streaming_greedy_answer_mentions_paris(live_server: LiveServer, api: openai.OpenAI) -> None:
+    reply = api.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0, max_tokens=30)  # type: ignore[arg-type]
+    assert reply.object == "chat.completion"
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage is not None and reply.usage.prompt_tokens > 10
+    assert reply.usage.completion_tokens > 0
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_stream_concatenates_to_the_non_streaming_text_for_the_same_seed(live_server: LiveServer, api: openai.OpenAI) -> None:
+    prompt = [{"role": "user", "content": "Tell me a short story about a cat."}]
+    common = {"model": "m", "messages": prompt, "temperature": 0.9, "seed": 1234, "max_tokens": 40}
+    whole = api.chat.completions.create(**common)  # type: ignore[call-overload]
+    chunks = list(api.chat.completions.create(**common, stream=True, stream_options={"include_usage": True}))  # type: ignore[call-overload]
+    ids = {c.id for c in chunks}
+    assert len(ids) == 1 and len({c.created for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_a_different_seed_changes_the_sampled_text(live_server: LiveServer, api: openai.OpenAI) -> None:
+    prompt = [{"role": "user", "content": "Tell me a short story about a cat."}]
+    texts = {
+        api.chat.completions.create(model="m", messages=prompt, temperature=1.0, seed=s, max_tokens=30).choices[0].message.content  # type: ignore[arg-type]
+        for s in (1, 2, 3)
+    }
+    assert len(texts) > 1
+
+
+def test_eight_concurrent_streams_complete_and_the_worker_batched_them(live_server: LiveServer) -> None:
+    async def one(api: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
+        stream = await api.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": f"Count from {i} to {i + 20}."}],
+            max_tokens=48,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        text, rid = "", ""
+        async for chunk in stream:
+            rid = chunk.id.removeprefix("chatcmpl-")
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+        return rid, text
+
+    async def all_of_them() -> list[tuple[str, str]]:
+        async with openai.AsyncOpenAI(base_url=f"{live_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as api:
+            return await asyncio.gather(*(one(api, i) for i in range(8)))
+
+    results = asyncio.run(all_of_them())
+    assert len(results) == 8 and all(text for _rid, text in results)
+    r = live_server.redis()
+    batch = [int(r.hget(keys.request_meta(rid), "batch_max") or 0) for rid, _ in results]
+    assert max(batch) >= 4, batch  # requests decoded together, not one after another
+
+
+def test_disconnecting_mid_stream_cancels_generation(live_server: LiveServer) -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Write a very long story about dragons."}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{live_server.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        rid = response.headers["x-request-id"]
+        lines = response.iter_lines()
+        for _ in range(10):
+            next(lines)
+    r = live_server.redis()
+    deadline = time.monotonic() + 30
+    while r.hget(keys.request_meta(rid), "outcome") is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert r.hget(keys.request_meta(rid), "outcome") == b"cancelled"
+    events = [decode_delta(fields[b"d"]) for _id, fields in r.xrange(keys.delta_stream(rid))]
+    final = events[-1]
+    assert isinstance(final, Finish) and final.reason is FinishReason.CANCELLED
+    assert final.usage.completion_tokens < 500  # stopped well before max_tokens
+
+
+def test_the_request_and_its_deltas_are_in_redis_under_the_documented_keys(live_server: LiveServer, api: openai.OpenAI) -> None:
+    reply = api.chat.completions.create(model="m", messages=QUESTION, temperature=0, max_tokens=20)  # type: ignore[arg-type]
+    rid = reply.id.removeprefix("chatcmpl-")
+    r = live_server.redis()
+    entries = [fields for _id, fields in r.xrange(keys.REQUEST_STREAM) if fields[b"id"].decode() == rid]
+    assert len(entries) == 1
+    request = decode_request(entries[0][b"req"])
+    assert request.messages[0].text == QUESTION[0]["content"] and request.prompt_token_ids
+    events = [decode_delta(fields[b"d"]) for _id, fields in r.xrange(keys.delta_stream(rid))]
+    assert isinstance(events[-1], Finish) and sum(isinstance(e, Finish) for e in events) == 1
+    assert "".join(e.text for e in events if isinstance(e, Content)) == reply.choices[0].message.content
+    assert all(e.attempt == 1 for e in events)
+    generated = [t for e in events for t in e.token_ids]  # type: ignore[union-attr]
+    assert len(generated) == reply.usage.completion_tokens  # type: ignore[union-attr]
+    assert r.hget(keys.request_meta(rid), "status") == b"finished"
+    for key in (keys.delta_stream(rid), keys.request_meta(rid)):
+        assert 0 < r.ttl(key) <= 86400
+    pending = r.xpending(keys.REQUEST_STREAM, keys.WORKER_GROUP)
+    assert pending["pending"] == 0 or rid not in str(pending)
+
+
+def test_models_health_and_ready(live_server: LiveServer, api: openai.OpenAI) -> None:
+    models = api.models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
+    assert httpx.get(f"{live_server.base_url}/health").json() == {"status": "ok"}
+    ready = httpx.get(f"{live_server.base_url}/ready").json()
+    assert ready["status"] == "ready" and ready["workers"] == 1

@@ -1,0 +1,216 @@
+"""Anthropic Messages parser: body → expected IR, and bad input → ApiError naming the parameter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ingest.anthropic_messages import parse
+from shared.errors import ApiError
+from shared.ir import ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    return {"model": "tiny-chat", "max_tokens": 256, "messages": [{"role": "user", "content": "Hi"}]} | fields
+
+
+def parsed(value: Any) -> Request:
+    return parse(value, request_id="req01", created=1_700_000_000.0)
+
+
+def error_for(value: Any) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        parsed(value)
+    assert caught.value.status == 400 and caught.value.kind == "invalid_request"
+    return caught.value
+
+
+def user(text: str) -> Message:
+    return Message(role=Role.USER, content=(TextPart(text=text),))
+
+
+def test_a_minimal_body_becomes_a_request_with_the_protocol_and_endpoint() -> None:
+    assert parsed(body()) == Request(
+        id="req01",
+        protocol=Protocol.ANTHROPIC_MESSAGES,
+        model="tiny-chat",
+        messages=(user("Hi"),),
+        sampling=SamplingParams(max_tokens=256),
+        created=1_700_000_000.0,
+        endpoint="/v1/messages",
+    )
+
+
+def test_sampling_stream_metadata_and_token_ids_are_read() -> None:
+    req = parsed(
+        body(
+            temperature=0.5,
+            top_p=0.9,
+            top_k=40,
+            stop_sequences=["\n\nHuman:", "END"],
+            stream=True,
+            metadata={"user_id": "u-42", "other": 1},
+            return_token_ids=True,
+            unknown_field={"ignored": True},
+        )
+    )
+    assert req.sampling == SamplingParams(temperature=0.5, top_p=0.9, top_k=40, max_tokens=256, stop=("\n\nHuman:", "END"))
+    assert (req.stream, req.metadata, req.return_token_ids) == (True, (("user_id", "u-42"),), True)
+
+
+def test_a_system_string_and_system_blocks_become_one_leading_system_message() -> None:
+    assert parsed(body(system="Be brief.")).messages[0] == Message(role=Role.SYSTEM, content=(TextPart(text="Be brief."),))
+    blocks = [
+        {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "Be brief."},
+    ]
+    assert parsed(body(system=blocks)).messages == (
+        Message(role=Role.SYSTEM, content=(TextPart(text="You are Claude Code."), TextPart(text="Be brief."))),
+        user("Hi"),
+    )
+    assert parsed(body(system="")).messages == (user("Hi"),)
+
+
+def test_system_role_entries_inside_messages_are_kept_in_place() -> None:
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Reminder."}]},
+        {"role": "user", "content": "Hi"},
+        {"role": "system", "content": "Late note."},
+    ]
+    assert parsed(body(messages=messages)).messages == (
+        Message(role=Role.SYSTEM, content=(TextPart(text="Reminder."),)),
+        user("Hi"),
+        Message(role=Role.SYSTEM, content=(TextPart(text="Late note."),)),
+    )
+
+
+def test_a_tool_use_round_trip_becomes_an_assistant_tool_call_and_tool_messages() -> None:
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Need the tool.", "signature": "sig"},
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18C"},
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_2",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    "is_error": True,
+                },
+                {"type": "text", "text": "Thanks."},
+            ],
+        },
+    ]
+    assert parsed(body(messages=messages)).messages == (
+        user("Weather in Paris?"),
+        Message(
+            role=Role.ASSISTANT,
+            content=(TextPart(text="Checking."),),
+            tool_calls=(ToolCall(id="toolu_1", name="get_weather", arguments='{"city":"Paris"}'),),
+            reasoning="Need the tool.",
+        ),
+        Message(role=Role.TOOL, content=(TextPart(text="18C"),), tool_call_id="toolu_1"),
+        Message(role=Role.TOOL, content=(TextPart(text="a"), TextPart(text="b")), tool_call_id="toolu_2"),
+        user("Thanks."),
+    )
+
+
+def test_images_become_image_parts_for_base64_and_url_sources() -> None:
+    content = [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0"}},
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.jpg"}},
+        {"type": "text", "text": "What is this?"},
+    ]
+    assert parsed(body(messages=[{"role": "user", "content": content}])).messages[0].content == (
+        ImagePart(url="data:image/png;base64,iVBORw0", media_type="image/png"),
+        ImagePart(url="https://example.com/cat.jpg"),
+        TextPart(text="What is this?"),
+    )
+
+
+def test_tools_and_tool_choice_map_onto_the_ir() -> None:
+    tools = [{"name": "get_weather", "description": "Weather now.", "input_schema": {"type": "object", "properties": {}}}]
+    req = parsed(body(tools=tools, tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}))
+    assert req.tools == (ToolSpec(name="get_weather", description="Weather now.", parameters_json='{"type":"object","properties":{}}'),)
+    assert (req.tool_choice, req.parallel_tool_calls) == ("function:get_weather", False)
+    choices = {"auto": "auto", "any": "required", "none": "none"}
+    assert {kind: parsed(body(tool_choice={"type": kind})).tool_choice for kind in choices} == choices
+
+
+def test_thinking_is_accepted_and_ignored() -> None:
+    assert parsed(body(thinking={"type": "enabled", "budget_tokens": 2048})) == parsed(body())
+    assert parsed(body(thinking={"type": "disabled"})) == parsed(body())
+
+
+@pytest.mark.parametrize(
+    ("value", "param"),
+    [
+        ({"model": "m", "messages": [{"role": "user", "content": "Hi"}]}, "max_tokens"),
+        (body(max_tokens=0), "max_tokens"),
+        (body(max_tokens="10"), "max_tokens"),
+        (body(model=""), "model"),
+        ({"max_tokens": 5, "messages": []}, "model"),
+        (body(messages=[]), "messages"),
+        (body(messages="Hi"), "messages"),
+        (body(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+        (body(messages=[{"content": "x"}]), "messages[0].role"),
+        (body(messages=[{"role": "user"}]), "messages[0].content"),
+        (body(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
+        (body(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]), "messages[0].content[0].type"),
+        (body(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages[0].content[0].text"),
+        (
+            body(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "n", "input": {}}]}]),
+            "messages[0].content[0].type",
+        ),
+        (body(messages=[{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]), "messages[0].content[0].type"),
+        (
+            body(messages=[{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "n", "input": "{}"}]}]),
+            "messages[0].content[0].input",
+        ),
+        (body(messages=[{"role": "user", "content": [{"type": "tool_result"}]}]), "messages[0].content[0].tool_use_id"),
+        (
+            body(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]),
+            "messages[0].content[0].source.type",
+        ),
+        (
+            body(messages=[{"role": "system", "content": [{"type": "image", "source": {"type": "url", "url": "u"}}]}]),
+            "messages[0].content[0].type",
+        ),
+        (body(system=[{"type": "image"}]), "system[0].type"),
+        (body(system=5), "system"),
+        (body(temperature=1.5), "temperature"),
+        (body(temperature="hot"), "temperature"),
+        (body(top_p=-0.1), "top_p"),
+        (body(top_k=-1), "top_k"),
+        (body(stop_sequences="END"), "stop_sequences"),
+        (body(stop_sequences=[""]), "stop_sequences[0]"),
+        (body(stream="yes"), "stream"),
+        (body(metadata=[]), "metadata"),
+        (body(metadata={"user_id": 7}), "metadata.user_id"),
+        (body(tools=[{"name": "t"}]), "tools[0].input_schema"),
+        (body(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools[0].type"),
+        (body(tools=[{"input_schema": {}}]), "tools[0].name"),
+        (body(tool_choice={"type": "function"}), "tool_choice.type"),
+        (body(tool_choice={"type": "tool"}), "tool_choice.name"),
+        (body(tool_choice="auto"), "tool_choice"),
+        (body(thinking={"type": "enabled"}), "thinking.budget_tokens"),
+        (body(thinking={"type": "sometimes"}), "thinking.type"),
+        (body(return_token_ids=1), "return_token_ids"),
+    ],
+)
+def test_bad_input_is_rejected_naming_the_parameter(value: dict[str, Any], param: str) -> None:
+    assert error_for(value).param == param
+
+
+def test_a_body_that_is_not_an_object_is_rejected() -> None:
+    assert error_for(["not", "an", "object"]).param is None

@@ -1,0 +1,173 @@
+"""OpenAI Responses parser: body → expected IR, the store/previous_response_id helpers, and bad input → ApiError."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ingest.openai_responses import parse, previous_response_id, store_flag
+from shared.errors import ApiError
+from shared.ir import ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    return {"model": "tiny-chat", "input": "Hi"} | fields
+
+
+def parsed(value: Any) -> Request:
+    return parse(value, request_id="req01", created=1_700_000_000.0)
+
+
+def error_for(value: Any) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        parsed(value)
+    assert caught.value.status == 400 and caught.value.kind == "invalid_request"
+    return caught.value
+
+
+def user(text: str) -> Message:
+    return Message(role=Role.USER, content=(TextPart(text=text),))
+
+
+def test_a_string_input_becomes_one_user_message() -> None:
+    assert parsed(body()) == Request(
+        id="req01",
+        protocol=Protocol.OPENAI_RESPONSES,
+        model="tiny-chat",
+        messages=(user("Hi"),),
+        created=1_700_000_000.0,
+        endpoint="/v1/responses",
+    )
+
+
+def test_instructions_become_a_leading_system_message() -> None:
+    assert parsed(body(instructions="Be brief.")).messages == (Message(role=Role.SYSTEM, content=(TextPart(text="Be brief."),)), user("Hi"))
+
+
+def test_sampling_stream_tools_and_extensions_are_read() -> None:
+    req = parsed(
+        body(
+            max_output_tokens=128,
+            temperature=0.3,
+            top_p=0.8,
+            stream=True,
+            tools=[
+                {"type": "function", "name": "get_weather", "description": "Weather now.", "parameters": {"type": "object"}, "strict": True}
+            ],
+            tool_choice={"type": "function", "name": "get_weather"},
+            parallel_tool_calls=False,
+            metadata={"team": "search"},
+            return_token_ids=True,
+            text={"format": {"type": "json_object"}},
+            reasoning={"effort": "low"},
+            truncation="disabled",
+        )
+    )
+    assert req.sampling == SamplingParams(temperature=0.3, top_p=0.8, max_tokens=128)
+    assert req.tools == (ToolSpec(name="get_weather", description="Weather now.", parameters_json='{"type":"object"}'),)
+    assert (req.stream, req.tool_choice, req.parallel_tool_calls, req.metadata, req.return_token_ids) == (
+        True,
+        "function:get_weather",
+        False,
+        (("team", "search"),),
+        True,
+    )
+    assert [parsed(body(tool_choice=c)).tool_choice for c in ("auto", "none", "required")] == ["auto", "none", "required"]
+
+
+def test_input_items_become_messages_with_merged_assistant_turns() -> None:
+    items = [
+        {"role": "developer", "content": "Use tools."},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Weather?"}, {"type": "input_image", "image_url": "https://example.com/sky.png"}],
+        },
+        {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [{"type": "summary_text", "text": "short"}],
+            "content": [{"type": "reasoning_text", "text": "Need "}, {"type": "reasoning_text", "text": "a tool."}],
+        },
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}'},
+        {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18C"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "noon"}]},
+        {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "All set."}]},
+        {"role": "assistant", "content": "It is 18C at noon."},
+        {"role": "user", "content": "Thanks."},
+    ]
+    assert parsed(body(input=items)).messages == (
+        Message(role=Role.DEVELOPER, content=(TextPart(text="Use tools."),)),
+        Message(role=Role.USER, content=(TextPart(text="Weather?"), ImagePart(url="https://example.com/sky.png"))),
+        Message(
+            role=Role.ASSISTANT,
+            content=(TextPart(text="Checking."),),
+            tool_calls=(
+                ToolCall(id="call_1", name="get_weather", arguments='{"city":"Paris"}'),
+                ToolCall(id="call_2", name="get_time", arguments="{}"),
+            ),
+            reasoning="Need a tool.",
+        ),
+        Message(role=Role.TOOL, content=(TextPart(text="18C"),), tool_call_id="call_1"),
+        Message(role=Role.TOOL, content=(TextPart(text="noon"),), tool_call_id="call_2"),
+        Message(role=Role.ASSISTANT, content=(TextPart(text="It is 18C at noon."),), reasoning="All set."),
+        user("Thanks."),
+    )
+
+
+def test_store_and_previous_response_id_are_read_by_helpers_not_the_ir() -> None:
+    assert store_flag(body()) is True and store_flag(body(store=False)) is False
+    assert previous_response_id(body()) is None
+    assert previous_response_id(body(previous_response_id="resp_abc")) == "resp_abc"
+    continued = {"model": "tiny-chat", "previous_response_id": "resp_abc", "instructions": "Be brief."}
+    assert parsed(continued).messages == (Message(role=Role.SYSTEM, content=(TextPart(text="Be brief."),)),)
+    assert parsed(body(store=False, previous_response_id="resp_abc")) == parsed(body())
+
+
+@pytest.mark.parametrize(
+    ("value", "param"),
+    [
+        ({"input": "Hi"}, "model"),
+        ({"model": "tiny-chat"}, "input"),
+        (body(input=5), "input"),
+        (body(input=[{"role": "tool", "content": "x"}]), "input[0].role"),
+        (body(input=[{"type": "message", "content": "x"}]), "input[0].role"),
+        (body(input=[{"role": "user"}]), "input[0].content"),
+        (body(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]), "input[0].content[0].type"),
+        (body(input=[{"role": "user", "content": [{"type": "input_text"}]}]), "input[0].content[0].text"),
+        (body(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]), "input[0].content[0].image_url"),
+        (body(input=[{"type": "item_reference", "id": "msg_1"}]), "input[0].type"),
+        (body(input=[{"type": "function_call", "name": "f", "arguments": "{}"}]), "input[0].call_id"),
+        (body(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]), "input[0].arguments"),
+        (body(input=[{"type": "function_call_output", "call_id": "c"}]), "input[0].output"),
+        (body(input=[{"type": "reasoning", "summary": [{"type": "summary_text"}]}]), "input[0].summary[0].text"),
+        (body(input=["Hi"]), "input[0]"),
+        (body(instructions=["Be brief."]), "instructions"),
+        (body(max_output_tokens=0), "max_output_tokens"),
+        (body(temperature=2.5), "temperature"),
+        (body(top_p=1.5), "top_p"),
+        (body(tools=[{"type": "web_search"}]), "tools[0].type"),
+        (body(tools=[{"type": "function"}]), "tools[0].name"),
+        (body(tools=[{"type": "function", "name": "f", "parameters": "{}"}]), "tools[0].parameters"),
+        (body(tool_choice="any"), "tool_choice"),
+        (body(tool_choice={"type": "file_search"}), "tool_choice.type"),
+        (body(tool_choice={"type": "function"}), "tool_choice.name"),
+        (body(parallel_tool_calls="no"), "parallel_tool_calls"),
+        (body(store="yes"), "store"),
+        (body(previous_response_id=""), "previous_response_id"),
+        (body(text={"format": {"type": "xml"}}), "text.format.type"),
+        (body(text="plain"), "text"),
+        (body(metadata={"k": 1}), "metadata.k"),
+        (body(stream=1), "stream"),
+        (body(return_token_ids="true"), "return_token_ids"),
+    ],
+)
+def test_bad_input_is_rejected_naming_the_parameter(value: dict[str, Any], param: str) -> None:
+    assert error_for(value).param == param
+
+
+def test_a_body_that_is_not_an_object_is_rejected() -> None:
+    assert error_for("Hi").param is None
