@@ -145,7 +145,7 @@ def request_from_dict(doc: dict[str, Any]) -> Request:
 
 def _sampling_from_dict(doc: dict[str, Any]) -> SamplingParams:
     kwargs = {f.name: doc[f.name] for f in fields(SamplingParams) if f.name in doc}
-    for name in ("stop", "stop_token_ids"):
+    for name in ("stop", "stop_token_ids", "dry_sequence_breakers"):
         kwargs[name] = tuple(kwargs.get(name, ()))
     kwargs["logit_bias"] = tuple((int(t), float(b)) for t, b in kwargs.get("logit_bias", ()))
     return SamplingParams(**kwargs)

@@ -88,6 +88,7 @@ class SamplingParams:
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    top_n_sigma: float | None = None  # keep tokens within n standard deviations of the top logit
     seed: int | None = None
     max_tokens: int | None = None
     min_tokens: int = 0
@@ -96,6 +97,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
+    dry_multiplier: float = 0.0  # DRY repetition penalty (0 = off), as in llama.cpp / text-generation-webui
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
