@@ -1,0 +1,59 @@
+"""The codec: every IR type and delta survives a round trip; foreign or newer payloads are refused."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from shared.codec import CodecError, decode_delta, decode_request, encode_delta, encode_request
+from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, TokenLogprob, Usage
+from shared.ir import ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
+
+from ..encoders.recorded import SCENARIOS
+
+
+def test_a_full_request_round_trips() -> None:
+    request = Request(
+        id="abc",
+        protocol=Protocol.ANTHROPIC_MESSAGES,
+        model="m",
+        messages=(
+            Message(role=Role.SYSTEM, content=(TextPart(text="sys"),)),
+            Message(role=Role.USER, content=(TextPart(text="look"), ImagePart(url="data:image/png;base64,AA", media_type="image/png"))),
+            Message(role=Role.ASSISTANT, tool_calls=(ToolCall(id="t1", name="f", arguments='{"a":1}'),), reasoning="hmm"),
+            Message(role=Role.TOOL, content=(TextPart(text="42"),), tool_call_id="t1"),
+        ),
+        sampling=SamplingParams(temperature=0.2, seed=9, stop=("x", "y"), logit_bias=((5, -100.0),), max_tokens=7, stop_token_ids=(3,)),
+        stream=True,
+        tools=(ToolSpec(name="f", description="d", parameters_json="{}"),),
+        tool_choice="required",
+        metadata=(("user_id", "u"),),
+        prompt_token_ids=(1, 2, 3),
+        created=12.5,
+        raw_body='{"x":1}',
+    )
+    assert decode_request(encode_request(request)) == request
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_every_recorded_delta_round_trips(scenario: str) -> None:
+    for delta in SCENARIOS[scenario]:
+        assert decode_delta(encode_delta(delta)) == delta
+
+
+def test_logprobs_and_error_kinds_round_trip() -> None:
+    content = Content(text="a", token_ids=(1,), attempt=2, logprobs=(TokenLogprob(token="a", token_id=1, logprob=-0.5, top=(("a", 1, -0.5),)),))
+    assert decode_delta(encode_delta(content)) == content
+    error = Error(message="boom", kind=ErrorKind.TIMEOUT, attempt=3)
+    assert decode_delta(encode_delta(error)) == error
+
+
+def test_every_stored_event_carries_version_token_ids_and_attempt() -> None:
+    doc = orjson.loads(encode_delta(Finish(reason=FinishReason.STOP, usage=Usage(prompt_tokens=1), token_ids=(2,), attempt=4)))
+    assert doc["v"] == 1 and doc["t"] == "finish" and doc["token_ids"] == [2] and doc["attempt"] == 4
+
+
+@pytest.mark.parametrize("raw", [b'{"v": 2, "t": "content", "text": "x"}', b'{"t": "content", "text": "x"}', b'{"v": 1, "t": "nope"}', b"[1]"])
+def test_foreign_or_newer_payloads_are_refused(raw: bytes) -> None:
+    with pytest.raises(CodecError):
+        decode_delta(raw)

@@ -1,0 +1,62 @@
+"""Fakes for torch-free worker tests: a byte-level tokenizer and a scripted runner."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from models.prompt import ModelInfo
+from shared.ir import Message, Protocol, Request, Role, SamplingParams, TextPart
+from workers.scheduler import Sequence, StepPlan
+
+EOS = 0
+
+
+class ByteTokenizer:
+    """Token id = byte value + 1 (0 is EOS); decoding a partial UTF-8 sequence yields U+FFFD."""
+
+    eos_token_id = EOS
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i - 1 for i in ids if i != EOS).decode("utf-8", errors="replace")
+
+    def encode(self, text: str) -> list[int]:
+        return [b + 1 for b in text.encode()]
+
+
+INFO = ModelInfo(name="fake", max_model_len=256, eos_token_ids=(EOS,), sampling_defaults={})
+
+
+class ScriptedRunner:
+    """Emits each sequence's scripted text byte by byte (then EOS); records every plan it ran."""
+
+    def __init__(self, script: Callable[[Sequence], str], *, num_slots: int = 4, max_len: int = 256) -> None:
+        self.script = script
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.plans: list[StepPlan] = []
+        self.released: list[str] = []
+
+    def execute(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
+        self.plans.append(plan)
+        ready = list(plan.decode) + [c.seq for c in plan.prefill if c.completes_prompt]
+        out = []
+        for seq in ready:
+            text = ByteTokenizer().encode(self.script(seq))
+            out.append((seq, text[len(seq.output)] if len(seq.output) < len(text) else EOS))
+        return out
+
+    def release(self, seq: Sequence) -> None:
+        self.released.append(seq.key)
+
+
+def make_request(rid: str, prompt_len: int = 4, *, priority: int = 0, **sampling: object) -> Request:
+    return Request(
+        id=rid,
+        protocol=Protocol.OPENAI_CHAT,
+        model="fake",
+        messages=(Message(role=Role.USER, content=(TextPart(text="x"),)),),
+        sampling=replace(SamplingParams(temperature=0.0), **sampling),  # type: ignore[arg-type]
+        prompt_token_ids=tuple(range(1, prompt_len + 1)),
+        priority=priority,
+    )
