@@ -186,6 +186,9 @@ class ChatCompletionAccumulator:
     def usage(self) -> Usage:
         return self.finish.usage if self.finish else Usage()
 
+    def body(self) -> dict[str, Any]:
+        return chat_completion_body(self._request, [self])
+
 
 def chat_completion_body(request: Request, choices: list[ChatCompletionAccumulator]) -> dict[str, Any]:
     """Assemble the `chat.completion` body; usage sums completion tokens over the n choices."""

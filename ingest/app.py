@@ -11,8 +11,9 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
+from typing import Protocol as Protocol_
 
 import orjson
 from blacksheep import Application, Content, Response
@@ -22,17 +23,19 @@ from blacksheep.server.sse import ServerSentEventsResponse
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from encoders import anthropic_messages as messages_enc
 from encoders import openai_chat as chat_enc
+from encoders import openai_responses as response_enc
 from encoders.frames import Frame
 from encoders.wire import ClientLink, StreamEncoder, collect, sse_events, tail
-from ingest import openai_chat
+from ingest import anthropic_messages, openai_chat, openai_responses, responses_store
 from ingest.errors import error_body, status_for
 from ingest.publish import cancel, submit
 from models.prompt import PromptRenderer
 from shared import keys
-from shared.deltas import StreamDelta
+from shared.deltas import Error, StreamDelta, is_terminal
 from shared.errors import ApiError, invalid
-from shared.ir import ImagePart, Protocol, Request
+from shared.ir import ImagePart, Message, Protocol, Request
 from shared.settings import Settings
 
 log = logging.getLogger("met.api")
@@ -105,11 +108,13 @@ class Api:
 
         return ClientLink(is_disconnected=http.is_disconnected, on_abandon=abandon)
 
-    def stream(self, http: HttpRequest, request: Request, encoder: StreamEncoder, ping: Callable[[], list[Frame]]) -> Response:
+    def stream(
+        self, http: HttpRequest, request: Request, encoder: StreamEncoder, *, ping: Callable[[], list[Frame]], deltas: AsyncIterator[StreamDelta | None]
+    ) -> Response:
         link = self.client_link(http, request)
 
         def events() -> AsyncIterator[TextServerSentEvent]:
-            return sse_events(self.deltas(request), encoder, ping=ping, ping_interval=self.settings.ping_interval, client=link)
+            return sse_events(deltas, encoder, ping=ping, ping_interval=self.settings.ping_interval, client=link)
 
         return ServerSentEventsResponse(
             events,
@@ -137,19 +142,129 @@ class Api:
         card = {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "metrale", "max_model_len": self.renderer.info.max_model_len}
         return json_response({"object": "list", "data": [card]})
 
-    async def chat_completions(self, http: HttpRequest) -> Response:
+    async def count_tokens(self, http: HttpRequest) -> Response:
         body = await self.read_json(http)
-        request = openai_chat.parse(body, request_id=new_id(), created=time.time())
+        if isinstance(body, dict) and body.get("max_tokens") is None:
+            body = {**body, "max_tokens": 1}  # count_tokens takes no max_tokens; the parser requires one
+        request = anthropic_messages.parse(body, request_id=new_id(), created=time.time())
+        return json_response({"input_tokens": len(self.renderer.render(request))})
+
+    async def get_response(self, http: HttpRequest) -> Response:
+        body, _ = await responses_store.load(self.redis, _route_value(http, "response_id"))
+        return json_response(body)
+
+    async def delete_response(self, http: HttpRequest) -> Response:
+        response_id = _route_value(http, "response_id")
+        await responses_store.delete(self.redis, response_id)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
+
+    async def generate(self, http: HttpRequest, surface: Surface) -> Response:
+        """The one flow every protocol shares: parse → continue → prepare → publish → answer."""
+        body = await self.read_json(http)
+        request = surface.parse(body, request_id=new_id(), created=time.time())
+        conversation = await self.previous_conversation(body) if surface.protocol is Protocol.OPENAI_RESPONSES else []
+        if conversation:
+            request = replace(request, messages=(*conversation, *request.messages))
         request = self.prepare(request, body)
         await self.publish(request)
+        store = self.responses_saver(body, request) if surface.protocol is Protocol.OPENAI_RESPONSES else None
         if request.stream:
-            return self.stream(http, request, chat_enc.ChatStreamEncoder(request), ping=lambda: [])
-        acc = chat_enc.ChatCompletionAccumulator(request)
-        for delta in await self.collect(http, request):
+            encoder = surface.stream_encoder(request)
+            deltas = self.deltas(request) if store is None else _recording(self.deltas(request), store)
+            return self.stream(http, request, encoder, ping=surface.ping(encoder), deltas=deltas)
+        acc = surface.accumulator(request)
+        collected = await self.collect(http, request)
+        for delta in collected:
             acc.feed(delta)
         if acc.error is not None:
-            raise ApiError(acc.error.message, status=503 if acc.error.kind.value == "overloaded_error" else 500, kind="internal")
-        return json_response(chat_enc.chat_completion_body(request, [acc]))
+            overloaded = acc.error.kind.value == "overloaded_error"
+            raise ApiError(acc.error.message, status=503 if overloaded else 500, kind="overloaded" if overloaded else "internal")
+        result = acc.body()
+        if store is not None:
+            await store(collected)
+        return json_response(result)
+
+    async def previous_conversation(self, body: Any) -> list[Message]:
+        previous = openai_responses.previous_response_id(body) if isinstance(body, dict) else None
+        if previous is None:
+            return []
+        _, conversation = await responses_store.load(self.redis, previous, param="previous_response_id")
+        return conversation
+
+    def responses_saver(self, body: Any, request: Request) -> Callable[[list[StreamDelta]], Awaitable[None]] | None:
+        if not openai_responses.store_flag(body):
+            return None
+        own = request.messages[1:] if body.get("instructions") is not None else request.messages
+
+        async def save(deltas: list[StreamDelta]) -> None:
+            acc = response_enc.ResponseAccumulator(request)
+            for delta in deltas:
+                acc.feed(delta)
+            if acc.error is None:
+                conversation = [*own, responses_store.assistant_turn(deltas)]
+                await responses_store.save(
+                    self.redis, response_enc.response_id(request), body=acc.body(), conversation=conversation, ttl=self.settings.response_ttl
+                )
+
+        return save
+
+
+async def _recording(
+    deltas: AsyncIterator[StreamDelta | None], on_terminal: Callable[[list[StreamDelta]], Awaitable[None]]
+) -> AsyncIterator[StreamDelta | None]:
+    """Pass deltas through, and hand the whole list to `on_terminal` once the terminal one passed."""
+    seen: list[StreamDelta] = []
+    async for delta in deltas:
+        if delta is not None:
+            seen.append(delta)
+            if is_terminal(delta):
+                await on_terminal(seen)
+        yield delta
+
+
+class Accumulator(Protocol_):
+    @property
+    def error(self) -> Error | None: ...
+
+    def feed(self, delta: StreamDelta) -> None: ...
+    def body(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Surface:
+    """What differs between protocols on the generation routes: parser, encoders, keep-alive."""
+
+    protocol: Protocol
+    parse: Callable[..., Request]
+    stream_encoder: Callable[[Request], Any]
+    accumulator: Callable[[Request], Accumulator]
+    ping: Callable[[Any], Callable[[], list[Frame]]]
+
+
+def _no_ping(_: Any) -> Callable[[], list[Frame]]:
+    return lambda: []
+
+
+CHAT = Surface(Protocol.OPENAI_CHAT, openai_chat.parse, chat_enc.ChatStreamEncoder, chat_enc.ChatCompletionAccumulator, _no_ping)
+MESSAGES = Surface(
+    Protocol.ANTHROPIC_MESSAGES,
+    anthropic_messages.parse,
+    messages_enc.MessagesStreamEncoder,
+    messages_enc.MessageAccumulator,
+    lambda encoder: lambda: [encoder.ping()],
+)
+RESPONSES = Surface(Protocol.OPENAI_RESPONSES, openai_responses.parse, response_enc.ResponsesStreamEncoder, response_enc.ResponseAccumulator, _no_ping)
+
+
+def _bind(handler: Callable[[HttpRequest, Surface], Awaitable[Response]], surface: Surface) -> Handler:
+    async def run(http: HttpRequest) -> Response:
+        return await handler(http, surface)
+
+    return run
+
+
+def _route_value(http: HttpRequest, name: str) -> str:
+    return str((http.route_values or {}).get(name) or "")
 
 
 def new_id() -> str:
@@ -179,7 +294,18 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     app.router.add_get("/health", guarded(Protocol.OPENAI_CHAT, api.health))
     app.router.add_get("/ready", guarded(Protocol.OPENAI_CHAT, api.ready))
     app.router.add_get("/v1/models", guarded(Protocol.OPENAI_CHAT, api.models))
-    app.router.add_post("/v1/chat/completions", guarded(Protocol.OPENAI_CHAT, api.chat_completions))
+    for path, surface in (("/v1/chat/completions", CHAT), ("/v1/messages", MESSAGES), ("/v1/responses", RESPONSES)):
+        app.router.add_post(path, guarded(surface.protocol, _bind(api.generate, surface)))
+    app.router.add_post("/v1/messages/count_tokens", guarded(Protocol.ANTHROPIC_MESSAGES, api.count_tokens))
+    app.router.add_get("/v1/responses/:response_id", guarded(Protocol.OPENAI_RESPONSES, api.get_response))
+    app.router.add_delete("/v1/responses/:response_id", guarded(Protocol.OPENAI_RESPONSES, api.delete_response))
+
+    async def not_found(http: HttpRequest) -> Response:
+        protocol = Protocol.ANTHROPIC_MESSAGES if http.url.path.startswith(b"/v1/messages") else Protocol.OPENAI_CHAT
+        err = ApiError(f"Unknown route: {http.method} {http.url.path.decode()}", status=404, kind="not_found", code="unknown_route")
+        return json_response(error_body(protocol, err), 404)
+
+    app.router.fallback = not_found
 
     async def close(_: Application) -> None:
         await api.redis.aclose()

@@ -112,7 +112,7 @@ def delta_from_dict(doc: dict[str, Any]) -> StreamDelta:
 def encode_request(request: Request) -> bytes:
     doc = _asdict(request)
     doc["v"] = VERSION
-    doc["messages"] = [_message_to_dict(m) for m in request.messages]
+    doc["messages"] = [message_to_dict(m) for m in request.messages]
     return orjson.dumps(doc)
 
 
@@ -121,7 +121,7 @@ def request_to_dict(request: Request) -> dict[str, Any]:
     return doc
 
 
-def _message_to_dict(message: Message) -> dict[str, Any]:
+def message_to_dict(message: Message) -> dict[str, Any]:
     doc = _asdict(message)
     doc["content"] = [{"type": "text" if isinstance(p, TextPart) else "image", **_asdict(p)} for p in message.content]
     return doc
@@ -135,7 +135,7 @@ def request_from_dict(doc: dict[str, Any]) -> Request:
     _check_version(doc)
     kwargs = {f.name: doc[f.name] for f in fields(Request) if f.name in doc}
     kwargs["protocol"] = Protocol(kwargs["protocol"])
-    kwargs["messages"] = tuple(_message_from_dict(m) for m in kwargs["messages"])
+    kwargs["messages"] = tuple(message_from_dict(m) for m in kwargs["messages"])
     kwargs["sampling"] = _sampling_from_dict(kwargs.get("sampling", {}))
     kwargs["tools"] = tuple(ToolSpec(**t) for t in kwargs.get("tools", ()))
     kwargs["metadata"] = tuple((str(k), str(v)) for k, v in kwargs.get("metadata", ()))
@@ -151,7 +151,7 @@ def _sampling_from_dict(doc: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
-def _message_from_dict(doc: dict[str, Any]) -> Message:
+def message_from_dict(doc: dict[str, Any]) -> Message:
     parts: list[ContentPart] = []
     for part in doc.get("content", ()):
         kind = part.pop("type", "text")

@@ -27,6 +27,12 @@ def worker_info(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
 
 
+def stored_response(response_id: str) -> str:
+    """A finished Responses-API response kept for `previous_response_id` and GET/DELETE
+    /v1/responses/{id} (JSON: body + conversation), with a TTL. Writer and reader: ingest.responses_store."""
+    return f"{PREFIX}:response:{response_id}"
+
+
 def _tag(request_id: str) -> str:
     return "{req:" + request_id + "}"
 

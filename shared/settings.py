@@ -42,6 +42,7 @@ class Settings:
     heartbeat_interval: float = 1.0
     heartbeat_ttl: float = 10.0  # a worker silent this long is dead
     result_ttl: int = 86400  # seconds per-request keys live after their terminal event
+    response_ttl: int = 30 * 86400  # seconds a stored Responses-API response is kept (store=true)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:

@@ -14,18 +14,18 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from models.prompt import ModelInfo
-from shared.deltas import Content, Finish, FinishReason, StreamDelta, Usage, is_terminal
+from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, StreamDelta, TokenLogprob, Usage, is_terminal
 from shared.ir import Request, resolve
 from shared.settings import Settings
 from workers.detok import IncrementalDetokenizer, StopMatcher
-from workers.scheduler import Scheduler, Sequence, StepPlan
+from workers.scheduler import Sampled, Scheduler, Sequence, StepPlan
 
 
 class Runner(Protocol):
     num_slots: int
     max_len: int
 
-    def execute(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
+    def execute(self, plan: StepPlan) -> list[Sampled]:
         """Run one step's forwards and return the token sampled for each sequence that needs one."""
         ...
 
@@ -50,6 +50,7 @@ class _TextState:
     detok: IncrementalDetokenizer
     stops: StopMatcher
     pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     max_tokens: int = 0
 
 
@@ -97,6 +98,14 @@ class Engine:
             return []
         return [self._finish(seq, reason)]
 
+    def fail_all(self, message: str) -> list[Emission]:
+        """End every request in flight with an Error (the step itself failed; the worker lives on)."""
+        out = []
+        for seq in list(self._seqs.values()):
+            self._finish(seq, FinishReason.CANCELLED)
+            out.append(Emission(seq.key, Error(message=message, kind=ErrorKind.INTERNAL, attempt=seq.attempt), batch_max=seq.batch_max))
+        return out
+
     def step(self) -> list[Emission]:
         emissions = self._expire()
         plan = self.scheduler.schedule()
@@ -109,8 +118,8 @@ class Engine:
             seq.batch_max = max(seq.batch_max, len(plan.decode))
         for chunk in plan.prefill:
             chunk.seq.computed = chunk.end
-        for seq, token in sampled:
-            emissions.extend(self._append(seq, token))
+        for s in sampled:
+            emissions.extend(self._append(s))
         self._record(plan, time.perf_counter() - started)
         return emissions
 
@@ -128,9 +137,12 @@ class Engine:
         late = [s for s in self._seqs.values() if s.request.created and now - s.request.created > self.request_timeout]
         return [self._finish(s, FinishReason.TIMEOUT) for s in late]
 
-    def _append(self, seq: Sequence, token: int) -> list[Emission]:
+    def _append(self, sampled: Sampled) -> list[Emission]:
+        seq, token = sampled.seq, sampled.token
         state: _TextState = seq.state
         seq.output.append(token)
+        if sampled.logprob is not None:
+            state.pending_logprobs.append(self._logprob(sampled))
         params = seq.request.sampling
         out: list[Emission] = []
         may_stop = len(seq.output) > params.min_tokens
@@ -149,11 +161,20 @@ class Engine:
             out.append(self._finish(seq, FinishReason.LENGTH))
         return out
 
+    def _logprob(self, sampled: Sampled) -> TokenLogprob:
+        def text(token_id: int) -> str:
+            return str(self.tokenizer.decode([token_id]))
+
+        assert sampled.logprob is not None
+        top = tuple((text(t), t, lp) for t, lp in sampled.top)
+        return TokenLogprob(token=text(sampled.token), token_id=sampled.token, logprob=sampled.logprob, top=top)
+
     def _emit_text(self, seq: Sequence, text: str, out: list[Emission]) -> None:
         state: _TextState = seq.state
         if text:
-            out.append(Emission(seq.key, Content(text=text, token_ids=tuple(state.pending_ids), attempt=seq.attempt)))
-            state.pending_ids = []
+            content = Content(text=text, token_ids=tuple(state.pending_ids), attempt=seq.attempt, logprobs=tuple(state.pending_logprobs))
+            out.append(Emission(seq.key, content))
+            state.pending_ids, state.pending_logprobs = [], []
 
     def _finish(self, seq: Sequence, reason: FinishReason, *, matched_stop: str | None = None) -> Emission:
         state: _TextState = seq.state

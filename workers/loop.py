@@ -61,7 +61,11 @@ class WorkerLoop:
         await self.claim(block_ms=None if self.engine.has_work() else 200)
         await self.check_cancels()
         if self.engine.has_work():
-            emissions = await asyncio.to_thread(self.engine.step)
+            try:
+                emissions = await asyncio.to_thread(self.engine.step)
+            except Exception:
+                log.exception("engine step failed; ending the requests in flight with an error")
+                emissions = self.engine.fail_all("The worker failed while generating this response.")
             await self.publish(emissions)
         if time.monotonic() - self._last_heartbeat >= self.settings.heartbeat_interval:
             await self.heartbeat()

@@ -35,6 +35,8 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         device=device,
         dtype=dtype,
     )
+    runner.eos_ids = renderer.info.eos_token_ids  # min_tokens bans these until reached
+    runner.tokenizer = renderer.tokenizer  # DRY sequence breakers are tokenized with it
     engine = Engine(
         runner,
         renderer.tokenizer,

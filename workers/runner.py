@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache
 
-from workers.sampling import SamplerRow, sample
-from workers.scheduler import PrefillChunk, Sequence, StepPlan
+from workers.sampling import SamplerRow, TokenLogprobData, breaker_ids, sample
+from workers.scheduler import PrefillChunk, Sampled, Sequence, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +116,17 @@ class TorchRunner:
         self.kv_bytes = per_slot * self.num_slots
         self.cache = SlotKVCache(geometry, num_slots=self.num_slots, max_len=max_len, device=device)
         self._generators: dict[str, torch.Generator] = {}
+        self.eos_ids: tuple[int, ...] = ()  # set by the engine's builder: banned while min_tokens is not reached
+        self.tokenizer: Any = None  # set likewise: turns dry_sequence_breakers into token ids
+        self._breakers: dict[str, frozenset[int]] = {}  # per sequence, like the generators
         log.info("KV cache: %d slots x %d tokens (%.0f MiB)", self.num_slots, max_len, self.kv_bytes / 2**20)
 
     def release(self, seq: Sequence) -> None:
         self._generators.pop(seq.key, None)
+        self._breakers.pop(seq.key, None)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
+    def execute(self, plan: StepPlan) -> list[Sampled]:
         rows: list[Sequence] = []
         logits: list[torch.Tensor] = []
         if plan.decode:
@@ -136,8 +140,8 @@ class TorchRunner:
         if not rows:
             return []
         stacked = torch.cat(logits).float()  # [B, vocab]
-        tokens = sample(stacked, [self._sampler_row(s) for s in rows])
-        return list(zip(rows, tokens, strict=True))
+        result = sample(stacked, [self._sampler_row(s) for s in rows])
+        return [_sampled(seq, token, lp) for seq, token, lp in zip(rows, result.tokens, result.logprobs, strict=True)]
 
     def _sampler_row(self, seq: Sequence) -> SamplerRow:
         params = seq.request.sampling
@@ -146,7 +150,10 @@ class TorchRunner:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed % 2**63)
             self._generators[seq.key] = gen
-        return SamplerRow(params=params, generator=gen, history=seq.output)
+        breakers = self._breakers.get(seq.key, frozenset())
+        if params.dry_multiplier > 0 and self.tokenizer is not None and seq.key not in self._breakers:
+            breakers = self._breakers[seq.key] = breaker_ids(self.tokenizer, params.dry_sequence_breakers)
+        return SamplerRow(params=params, generator=gen, prompt=seq.prompt, output=seq.output, eos_ids=self.eos_ids, dry_breakers=breakers)
 
     def _forward(self, slots: list[int], input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [B, T]; returns last-position logits [B, vocab]
@@ -169,3 +176,9 @@ class TorchRunner:
         positions = torch.arange(chunk.start, chunk.end, device=self.device)[None, :]  # [1, T]
         assert seq.slot is not None
         return self._forward([seq.slot], input_ids, positions)
+
+
+def _sampled(seq: Sequence, token: int, logprob: TokenLogprobData | None) -> Sampled:
+    if logprob is None:
+        return Sampled(seq, token)
+    return Sampled(seq, token, logprob.logprob, tuple(logprob.top))

@@ -73,6 +73,16 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class Sampled:
+    """One sampled token for one sequence; with logprobs asked, the chosen token's logprob and the top ones."""
+
+    seq: Sequence
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     decode: tuple[Sequence, ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()

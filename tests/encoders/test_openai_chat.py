@@ -107,7 +107,7 @@ def test_non_streaming_body_matches_the_stream(scenario: str) -> None:
     streamed = payloads(run(scenario))
     text = "".join(p["choices"][0]["delta"].get("content") or "" for p in streamed[:-1])
     assert (body.choices[0].message.content or "") == text
-    assert body.choices[0].finish_reason == [p for p in streamed[:-1] if p["choices"][0]["finish_reason"]][0]["choices"][0]["finish_reason"]
+    assert body.choices[0].finish_reason == next(p for p in streamed[:-1] if p["choices"][0]["finish_reason"])["choices"][0]["finish_reason"]
     if scenario == "two_tool_calls":
         calls = body.choices[0].message.tool_calls or []
         assert [(c.id, c.function.name, c.function.arguments) for c in calls] == [  # type: ignore[union-attr]

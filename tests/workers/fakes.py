@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from models.prompt import ModelInfo
 from shared.ir import Message, Protocol, Request, Role, SamplingParams, TextPart
-from workers.scheduler import Sequence, StepPlan
+from workers.scheduler import Sampled, Sequence, StepPlan
 
 EOS = 0
 
@@ -37,13 +37,13 @@ class ScriptedRunner:
         self.plans: list[StepPlan] = []
         self.released: list[str] = []
 
-    def execute(self, plan: StepPlan) -> list[tuple[Sequence, int]]:
+    def execute(self, plan: StepPlan) -> list[Sampled]:
         self.plans.append(plan)
         ready = list(plan.decode) + [c.seq for c in plan.prefill if c.completes_prompt]
         out = []
         for seq in ready:
             text = ByteTokenizer().encode(self.script(seq))
-            out.append((seq, text[len(seq.output)] if len(seq.output) < len(text) else EOS))
+            out.append(Sampled(seq, text[len(seq.output)] if len(seq.output) < len(text) else EOS))
         return out
 
     def release(self, seq: Sequence) -> None:

@@ -118,3 +118,14 @@ def test_every_generated_token_is_accounted_for_in_some_delta() -> None:
     ids = [t for e in out for t in e.delta.token_ids]  # type: ignore[union-attr]
     finish = out[-1].delta
     assert isinstance(finish, Finish) and len(ids) == finish.usage.completion_tokens == 5
+
+
+def test_a_failing_step_ends_every_request_in_flight_with_one_error() -> None:
+    runner = ScriptedRunner(lambda seq: "abc")
+    eng = engine(runner)
+    eng.add(make_request("a"))
+    eng.add(make_request("b"))
+    eng.step()
+    out = eng.fail_all("boom")
+    assert sorted(e.request_id for e in out) == ["a", "b"] and all(e.terminal for e in out)
+    assert not eng.has_work() and eng.scheduler.num_free_slots == runner.num_slots

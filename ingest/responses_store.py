@@ -1,0 +1,53 @@
+"""Stored Responses-API responses (`store: true`): what `previous_response_id` continues from and what
+GET / DELETE /v1/responses/{id} serve. One JSON document per response, with a TTL.
+
+The stored conversation is the request's messages (without its `instructions`, which OpenAI does not
+carry over) plus the assistant turn the deltas produced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.codec import VERSION, message_from_dict, message_to_dict
+from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart
+from shared.errors import ApiError
+from shared.ir import Message, Role, TextPart, ToolCall
+
+
+def assistant_turn(deltas: list[StreamDelta]) -> Message:
+    """The assistant message a delta stream amounts to (text and tool calls)."""
+    text = "".join(d.text for d in deltas if isinstance(d, Content))
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        if isinstance(d, ToolCallStart):
+            calls[d.index] = [d.id, d.name, ""]
+        elif isinstance(d, ToolCallArgs) and d.index in calls:
+            calls[d.index][2] += d.arguments
+    return Message(
+        role=Role.ASSISTANT,
+        content=(TextPart(text=text),) if text else (),
+        tool_calls=tuple(ToolCall(id=c[0], name=c[1], arguments=c[2]) for _, c in sorted(calls.items())),
+    )
+
+
+async def save(redis: Redis, response_id: str, *, body: dict[str, Any], conversation: list[Message], ttl: int) -> None:
+    doc = {"v": VERSION, "body": body, "conversation": [message_to_dict(m) for m in conversation]}
+    await redis.set(keys.stored_response(response_id), orjson.dumps(doc), ex=ttl)
+
+
+async def load(redis: Redis, response_id: str, *, param: str | None = None) -> tuple[dict[str, Any], list[Message]]:
+    raw = await redis.get(keys.stored_response(response_id))
+    if raw is None:
+        raise ApiError(f"Response with id '{response_id}' not found.", status=404, param=param, kind="not_found", code="response_not_found")
+    doc = orjson.loads(raw)
+    return doc["body"], [message_from_dict(m) for m in doc["conversation"]]
+
+
+async def delete(redis: Redis, response_id: str) -> None:
+    if not await redis.delete(keys.stored_response(response_id)):
+        raise ApiError(f"Response with id '{response_id}' not found.", status=404, kind="not_found", code="response_not_found")
