@@ -1,0 +1,92 @@
+"""The wire module against a real Redis: tailing, keep-alive pings in silence, disconnect → abandon."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from redis.asyncio import Redis
+
+from encoders.anthropic_messages import MessagesStreamEncoder
+from encoders.openai_chat import ChatStreamEncoder
+from encoders.wire import ClientLink, sse_events, tail
+from shared import keys
+from shared.codec import encode_delta
+from shared.ir import Protocol
+
+from .recorded import SCENARIOS, request
+
+
+async def write_slowly(redis: Redis, rid: str, pause: float) -> None:
+    for i, delta in enumerate(SCENARIOS["plain_text"]):
+        if i == 1:
+            await asyncio.sleep(pause)  # a long silence mid-stream (queueing, a long prefill)
+        await redis.xadd(keys.delta_stream(rid), {"d": encode_delta(delta)})
+
+
+def test_anthropic_pings_during_silence_and_ends_after_the_terminal_event(redis_server: str) -> None:
+    async def scenario() -> list[tuple[str | None, str]]:
+        redis = Redis.from_url(redis_server)
+        req = request(Protocol.ANTHROPIC_MESSAGES, id=f"wire-{time.monotonic_ns()}")
+        encoder = MessagesStreamEncoder(req)
+        abandoned: list[bool] = []
+
+        async def gone() -> bool:
+            return False
+
+        async def abandon() -> None:
+            abandoned.append(True)
+
+        writer = asyncio.create_task(write_slowly(redis, req.id, pause=1.0))
+        deltas = tail(redis, req.id, deadline=time.time() + 30, block_ms=100)
+        link = ClientLink(is_disconnected=gone, on_abandon=abandon)
+        events = [(e.event, e.data) async for e in sse_events(deltas, encoder, ping=lambda: [encoder.ping()], ping_interval=0.3, client=link)]
+        await writer
+        await redis.aclose()
+        assert not abandoned
+        return events
+
+    events = asyncio.run(scenario())
+    names = [name for name, _ in events]
+    assert names[0] == "message_start" and names[-1] == "message_stop"
+    pings = [i for i, name in enumerate(names) if name == "ping"]
+    assert len(pings) >= 2
+    assert all(names[i] == "ping" for i in range(pings[0], pings[-1] + 1))
+    assert all(data == '{"type":"ping"}' for name, data in events if name == "ping")
+
+
+def test_a_client_that_disconnects_is_abandoned_and_its_stream_stops(redis_server: str) -> None:
+    async def scenario() -> tuple[int, list[bool]]:
+        redis = Redis.from_url(redis_server)
+        req = request(Protocol.OPENAI_CHAT, id=f"gone-{time.monotonic_ns()}", stream=True)
+        abandoned: list[bool] = []
+        started = time.monotonic()
+
+        async def gone() -> bool:
+            return time.monotonic() - started > 0.3
+
+        async def abandon() -> None:
+            abandoned.append(True)
+
+        writer = asyncio.create_task(write_slowly(redis, req.id, pause=2.0))
+        deltas = tail(redis, req.id, deadline=time.time() + 30, block_ms=100)
+        link = ClientLink(is_disconnected=gone, on_abandon=abandon, check_every=0.05)
+        events = [e async for e in sse_events(deltas, ChatStreamEncoder(req), ping=lambda: [], ping_interval=10, client=link)]
+        writer.cancel()
+        await redis.aclose()
+        return len(events), abandoned
+
+    count, abandoned = asyncio.run(scenario())
+    assert abandoned == [True]
+    assert count == 2  # the role chunk and the first text chunk; nothing after the client left
+
+
+def test_no_terminal_event_before_the_deadline_yields_a_timeout_error(redis_server: str) -> None:
+    async def scenario() -> list[object]:
+        redis = Redis.from_url(redis_server)
+        out = [d async for d in tail(redis, f"nobody-{time.monotonic_ns()}", deadline=time.time() + 0.3, block_ms=100)]
+        await redis.aclose()
+        return out
+
+    out = asyncio.run(scenario())
+    assert out[-1].kind.value == "timeout_error"  # type: ignore[attr-defined]
