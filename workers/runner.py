@@ -172,7 +172,7 @@ class TorchRunner:
 
     def _prefill(self, chunk: PrefillChunk) -> torch.Tensor:
         seq = chunk.seq
-        input_ids = torch.tensor([seq.prompt[chunk.start : chunk.end]], device=self.device)  # [1, T]
+        input_ids = torch.tensor([seq.context[chunk.start : chunk.end]], device=self.device)  # [1, T]
         positions = torch.arange(chunk.start, chunk.end, device=self.device)[None, :]  # [1, T]
         assert seq.slot is not None
         return self._forward([seq.slot], input_ids, positions)

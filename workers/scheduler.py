@@ -7,7 +7,12 @@ Policy (continuous batching):
   running sequences still prefilling (in admission order), then to waiting requests admitted into
   free slots, ordered by (priority, arrival) — lower priority runs sooner, as in vLLM.
 - A sequence holds one KV slot (see `workers.runner.SlotKVCache`) from admission to finish; when no
-  slot is free, new work waits in the queue.
+  slot is free, new work waits in the queue. Slots are preallocated for `max_model_len` tokens, so a
+  running sequence never runs out of KV space mid-flight; the one case where running work must give
+  way is a waiting request of strictly higher priority (lower value): the lowest-priority, latest
+  running sequence is preempted — its slot freed, its prompt and output so far become the `context`
+  it re-prefills on readmission (recompute, as vLLM does), and generation continues exactly where it
+  stopped, with no token emitted twice.
 Must not: import torch or touch Redis. Tests drive it with a fake runner.
 """
 
@@ -36,6 +41,7 @@ class Sequence:
     request: Request
     prompt: list[int]
     attempt: int = 1
+    context: list[int] = field(default_factory=list)  # tokens to prefill: the prompt, plus output after a preemption
     output: list[int] = field(default_factory=list)
     slot: int | None = None
     computed: int = 0
@@ -43,6 +49,11 @@ class Sequence:
     arrival: int = field(default_factory=lambda: next(_arrivals))
     state: Any = None  # text state owned by the engine (detokenizer, stop matcher)
     batch_max: int = 0  # largest decode batch this sequence took part in
+    preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.context:
+            self.context = list(self.prompt)
 
     @property
     def key(self) -> str:
@@ -50,7 +61,7 @@ class Sequence:
 
     @property
     def prefilled(self) -> bool:
-        return self.computed >= len(self.prompt)
+        return self.computed >= len(self.context)
 
     @property
     def length(self) -> int:
@@ -69,7 +80,7 @@ class PrefillChunk:
 
     @property
     def completes_prompt(self) -> bool:
-        return self.end >= len(self.seq.prompt)
+        return self.end >= len(self.seq.context)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +114,7 @@ class Scheduler:
         self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.preemptions = 0
 
     @property
     def num_free_slots(self) -> int:
@@ -116,6 +128,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
+        self.waiting.sort(key=lambda s: s.order)
+        self._preempt_for_priority()
         budget = self.max_tokens_per_step
         decode = tuple(s for s in self.running if s.prefilled)
         budget -= len(decode)
@@ -125,7 +139,6 @@ class Scheduler:
                 break
             if not seq.prefilled:
                 budget -= self._chunk(seq, budget, chunks)
-        self.waiting.sort(key=lambda s: s.order)
         while budget > 0 and self.waiting and self._free_slots and len(self.running) < self.max_running:
             seq = self.waiting.pop(0)
             seq.slot = self._free_slots.pop()
@@ -134,9 +147,30 @@ class Scheduler:
             budget -= self._chunk(seq, budget, chunks)
         return StepPlan(decode=decode, prefill=tuple(chunks))
 
+    def _preempt_for_priority(self) -> None:
+        """Free a slot for each waiting request that outranks the worst running one (recompute later)."""
+        preempted: list[Sequence] = []
+        for seq in list(self.waiting):
+            if self._free_slots and len(self.running) < self.max_running:
+                break
+            victim = max(self.running, key=lambda s: s.order, default=None)
+            if victim is None or victim.request.priority <= seq.request.priority:
+                break
+            self.running.remove(victim)
+            assert victim.slot is not None
+            self._free_slots.append(victim.slot)
+            self._free_slots.sort(reverse=True)
+            victim.slot, victim.computed, victim.status = None, 0, SeqStatus.WAITING
+            victim.context = victim.prompt + victim.output
+            victim.preemptions += 1
+            self.preemptions += 1
+            preempted.append(victim)
+        self.waiting.extend(preempted)
+        self.waiting.sort(key=lambda s: s.order)
+
     @staticmethod
     def _chunk(seq: Sequence, budget: int, chunks: list[PrefillChunk]) -> int:
-        end = min(len(seq.prompt), seq.computed + budget)
+        end = min(len(seq.context), seq.computed + budget)
         chunks.append(PrefillChunk(seq, seq.computed, end))
         return end - seq.computed
 

@@ -72,3 +72,24 @@ def greedy_alone(model: object, prompt: list[int], n: int) -> list[int]:
         logits = model(input_ids=torch.tensor([ids])).logits  # type: ignore[operator]
         ids.append(int(logits[0, -1].argmax()))
     return ids[len(prompt) :]
+
+
+def test_preemption_under_a_tiny_kv_budget_still_gives_every_request_its_exact_greedy_output(parts: tuple[PromptRenderer, object]) -> None:
+    renderer, model = parts
+    runner = TorchRunner(model, max_len=512, kv_budget_mb=48, max_slots=8, device=torch.device("cpu"), dtype=torch.float32)
+    assert runner.num_slots == 2  # room for two sequences only
+    engine = Engine(runner, renderer.tokenizer, renderer.info, settings=Settings(max_running=8, max_tokens_per_step=64))
+    requests = [replace(request(renderer, i, max_tokens=16), priority=3 - i) for i in range(4)]  # later arrivals outrank earlier ones
+    tokens: dict[str, list[int]] = {r.id: [] for r in requests}
+    pending = list(requests)
+    for step in range(400):
+        if pending and step % 4 == 0:
+            engine.add(pending.pop(0))
+        for e in engine.step():
+            if isinstance(e.delta, (Content, Finish)):
+                tokens[e.request_id].extend(e.delta.token_ids)
+        if not engine.has_work() and not pending:
+            break
+    assert engine.scheduler.preemptions >= 2
+    for r in requests:
+        assert tokens[r.id] == greedy_alone(model, list(r.prompt_token_ids), 16), r.id

@@ -129,3 +129,30 @@ def test_a_failing_step_ends_every_request_in_flight_with_one_error() -> None:
     out = eng.fail_all("boom")
     assert sorted(e.request_id for e in out) == ["a", "b"] and all(e.terminal for e in out)
     assert not eng.has_work() and eng.scheduler.num_free_slots == runner.num_slots
+
+
+def test_a_higher_priority_arrival_preempts_and_the_victim_resumes_without_gaps_or_repeats() -> None:
+    runner = ScriptedRunner(lambda seq: f"the full answer of {seq.key}", num_slots=1)
+    eng = engine(runner, max_running=1)
+    eng.add(make_request("low", priority=5))
+    out = [e for _ in range(8) for e in eng.step()]
+    assert text_of(out, "low")  # it was streaming when the urgent request came
+    eng.add(make_request("urgent", priority=-5))
+    out += run_until_idle(eng)
+    assert text_of(out, "urgent") == "the full answer of urgent"
+    assert text_of(out, "low") == "the full answer of low"
+    order = [e.request_id for e in out if e.terminal]
+    assert order == ["urgent", "low"]
+    resumed = [p for p in runner.plans if p.prefill and p.prefill[0].seq.key == "low" and p.prefill[0].start == 0]
+    assert len(resumed) == 2 and len(resumed[1].prefill[0].seq.context) > 4  # re-prefilled prompt + output
+
+
+def test_equal_priority_never_preempts() -> None:
+    runner = ScriptedRunner(lambda seq: "abcdef", num_slots=1)
+    eng = engine(runner, max_running=1)
+    eng.add(make_request("first"))
+    eng.step()
+    eng.add(make_request("second"))
+    out = run_until_idle(eng)
+    assert [e.request_id for e in out if e.terminal] == ["first", "second"]
+    assert not any(p.prefill and p.prefill[0].seq.key == "first" and p.prefill[0].start == 0 for p in runner.plans[1:])
