@@ -27,6 +27,9 @@ Dtype = Annotated[str | None, typer.Option(help="bfloat16 (default), float16 or 
 MaxRunning = Annotated[int | None, typer.Option(help="Most sequences a worker decodes together.")]
 KvBudget = Annotated[int | None, typer.Option("--kv-budget-mb", help="KV cache memory per worker, MiB.")]
 MaxModelLen = Annotated[int | None, typer.Option(help="Longest prompt + completion, tokens (capped by the model's context).")]
+MaxQueue = Annotated[int | None, typer.Option(help="Accepted-but-unfinished requests beyond which new ones get 429 / 529.")]
+RequestTimeout = Annotated[float | None, typer.Option(help="Seconds from acceptance until a request ends with a timeout finish.")]
+MaxTokensPerStep = Annotated[int | None, typer.Option(help="Prefill + decode tokens one scheduler step may process.")]
 ServedName = Annotated[str | None, typer.Option(help="Model name reported by /v1/models (default: from the model).")]
 
 
@@ -48,6 +51,9 @@ def serve(
     max_running: MaxRunning = None,
     kv_budget_mb: KvBudget = None,
     max_model_len: MaxModelLen = None,
+    max_queue: MaxQueue = None,
+    max_tokens_per_step: MaxTokensPerStep = None,
+    request_timeout: RequestTimeout = None,
     served_model_name: ServedName = None,
 ) -> None:
     """Run everything: embedded Redis (unless --redis-url), the API and N workers. Ctrl-C stops all."""
@@ -65,6 +71,8 @@ def api(
     redis_url: RedisUrl = None,
     data_dir: DataDir = None,
     max_model_len: MaxModelLen = None,
+    max_queue: MaxQueue = None,
+    request_timeout: RequestTimeout = None,
     served_model_name: ServedName = None,
 ) -> None:
     """Run only the API role against --redis-url (what compose and multi-node setups use)."""
@@ -86,6 +94,8 @@ def worker(
     max_running: MaxRunning = None,
     kv_budget_mb: KvBudget = None,
     max_model_len: MaxModelLen = None,
+    max_tokens_per_step: MaxTokensPerStep = None,
+    request_timeout: RequestTimeout = None,
     served_model_name: ServedName = None,
 ) -> None:
     """Run one worker: claim requests from --redis-url, generate, append deltas."""

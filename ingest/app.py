@@ -7,6 +7,7 @@ Every check happens before any SSE header; nothing invalid is XADDed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -30,7 +31,7 @@ from encoders.frames import Frame
 from encoders.wire import ClientLink, StreamEncoder, collect, sse_events, tail
 from ingest import anthropic_messages, openai_chat, openai_responses, responses_store
 from ingest.errors import error_body, status_for
-from ingest.publish import cancel, submit
+from ingest.publish import admit, cancel, release, submit
 from models.prompt import PromptRenderer
 from shared import keys
 from shared.deltas import Error, StreamDelta, is_terminal
@@ -91,9 +92,23 @@ class Api:
             )
         return replace(request, prompt_token_ids=tuple(prompt), raw_body=orjson.dumps(body).decode())
 
-    async def publish(self, request: Request) -> None:
+    async def publish(self, parts: list[Request]) -> None:
+        """Admit (queue depth) and XADD every part of a request, or refuse before anything is queued."""
         try:
-            await submit(self.redis, request)
+            if not await admit(self.redis, len(parts), self.settings.max_queue):
+                raise ApiError(
+                    f"The server is at its queue limit ({self.settings.max_queue} requests); retry shortly.",
+                    status=429,
+                    kind="overloaded",
+                    code="queue_full",
+                    retry_after=1.0,
+                )
+            try:
+                for part in parts:
+                    await submit(self.redis, part)
+            except RedisError:
+                await release(self.redis, len(parts))
+                raise
         except RedisError as exc:
             log.error("redis unavailable: %s", type(exc).__name__)
             raise ApiError("The request queue is unavailable; try again shortly.", status=503, kind="unavailable", code="queue_unavailable") from None
@@ -166,23 +181,26 @@ class Api:
         if conversation:
             request = replace(request, messages=(*conversation, *request.messages))
         request = self.prepare(request, body)
-        await self.publish(request)
+        parts = fan_out(request)
+        await self.publish(parts)
         store = self.responses_saver(body, request) if surface.protocol is Protocol.OPENAI_RESPONSES else None
         if request.stream:
             encoder = surface.stream_encoder(request)
             deltas = self.deltas(request) if store is None else _recording(self.deltas(request), store)
             return self.stream(http, request, encoder, ping=surface.ping(encoder), deltas=deltas)
-        acc = surface.accumulator(request)
-        collected = await self.collect(http, request)
-        for delta in collected:
-            acc.feed(delta)
-        if acc.error is not None:
-            overloaded = acc.error.kind.value == "overloaded_error"
-            raise ApiError(acc.error.message, status=503 if overloaded else 500, kind="overloaded" if overloaded else "internal")
-        result = acc.body()
+        collected = await asyncio.gather(*(self.collect(http, part) for part in parts))
+        accs = []
+        for part, deltas_of_part in zip(parts, collected, strict=True):
+            acc = surface.accumulator(part)
+            for delta in deltas_of_part:
+                acc.feed(delta)
+            if acc.error is not None:
+                overloaded = acc.error.kind.value == "overloaded_error"
+                raise ApiError(acc.error.message, status=503 if overloaded else 500, kind="overloaded" if overloaded else "internal")
+            accs.append(acc)
         if store is not None:
-            await store(collected)
-        return json_response(result)
+            await store(collected[0])
+        return json_response(surface.combine(request, accs))
 
     async def previous_conversation(self, body: Any) -> list[Message]:
         previous = openai_responses.previous_response_id(body) if isinstance(body, dict) else None
@@ -239,13 +257,16 @@ class Surface:
     stream_encoder: Callable[[Request], Any]
     accumulator: Callable[[Request], Accumulator]
     ping: Callable[[Any], Callable[[], list[Frame]]]
+    combine: Callable[[Request, list[Any]], dict[str, Any]] = lambda _request, accs: accs[0].body()
 
 
 def _no_ping(_: Any) -> Callable[[], list[Frame]]:
     return lambda: []
 
 
-CHAT = Surface(Protocol.OPENAI_CHAT, openai_chat.parse, chat_enc.ChatStreamEncoder, chat_enc.ChatCompletionAccumulator, _no_ping)
+CHAT = Surface(
+    Protocol.OPENAI_CHAT, openai_chat.parse, chat_enc.ChatStreamEncoder, chat_enc.ChatCompletionAccumulator, _no_ping, chat_enc.chat_completion_body
+)
 MESSAGES = Surface(
     Protocol.ANTHROPIC_MESSAGES,
     anthropic_messages.parse,
@@ -265,6 +286,19 @@ def _bind(handler: Callable[[HttpRequest, Surface], Awaitable[Response]], surfac
 
 def _route_value(http: HttpRequest, name: str) -> str:
     return str((http.route_values or {}).get(name) or "")
+
+
+def fan_out(request: Request) -> list[Request]:
+    """`n` > 1 (non-streaming chat) becomes n independent requests, each its own durable stream; a
+    given seed becomes seed, seed+1, ... so the choices differ yet replay exactly."""
+    n = request.sampling.n
+    if n == 1:
+        return [request]
+    seed = request.sampling.seed
+    return [
+        replace(request, id=f"{request.id}-{i}", sampling=replace(request.sampling, n=1, seed=None if seed is None else seed + i))
+        for i in range(n)
+    ]
 
 
 def new_id() -> str:

@@ -16,6 +16,7 @@ from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, 
 ROLES = {r.value: r for r in Role}
 MAX_MESSAGES = 2048
 MAX_TOOLS = 128
+MAX_N = 16
 
 
 def parse(body: Any, *, request_id: str, created: float) -> Request:
@@ -61,7 +62,9 @@ def sampling(body: dict[str, Any], *, stream: bool) -> SamplingParams:
         if body.get(name) is not None:
             max_tokens = f.integer(body[name], name, lo=1, hi=f.MAX_TOKENS_CAP)
             break
-    n = f.integer(body["n"], "n", lo=1, hi=1) if body.get("n") is not None else 1
+    n = f.integer(body["n"], "n", lo=1, hi=MAX_N) if body.get("n") is not None else 1
+    if n > 1 and stream:
+        raise invalid("'n' greater than 1 is supported only for non-streaming requests.", "n", "unsupported_value")
     logprobs = f.boolean(body["logprobs"], "logprobs") if body.get("logprobs") is not None else False
     top_logprobs = f.integer(body["top_logprobs"], "top_logprobs", lo=0, hi=20) if body.get("top_logprobs") is not None else 0
     if top_logprobs and not logprobs:

@@ -24,5 +24,23 @@ async def submit(redis: Redis, request: Request) -> None:
         await pipe.execute()
 
 
+# Atomically: refuse (-1) when admitting ARGV[1] more requests would pass the limit ARGV[2].
+_ADMIT = """
+local n = tonumber(redis.call('GET', KEYS[1]) or '0')
+if n + tonumber(ARGV[1]) > tonumber(ARGV[2]) then return -1 end
+return redis.call('INCRBY', KEYS[1], ARGV[1])
+"""
+
+
+async def admit(redis: Redis, count: int, limit: int) -> bool:
+    """Reserve `count` places in the queue; False when the queue is full."""
+    result = await redis.eval(_ADMIT, 1, keys.INFLIGHT, count, limit)
+    return int(result) >= 0
+
+
+async def release(redis: Redis, count: int) -> None:
+    await redis.decrby(keys.INFLIGHT, count)
+
+
 async def cancel(redis: Redis, request_id: str) -> None:
     await redis.set(keys.cancel_flag(request_id), b"1", ex=CANCEL_TTL)

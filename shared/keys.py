@@ -14,6 +14,11 @@ PREFIX = "met"
 REQUEST_STREAM = f"{PREFIX}:requests"
 WORKER_GROUP = f"{PREFIX}:workers"
 
+# Accepted-but-unfinished requests, cluster-wide (the queue depth admission checks). Writers: ingest.publish
+# (INCRBY on admission, under a Lua check against the limit), workers.loop (DECR with each terminal event).
+# Readers: ingest admission, the TUI, /metrics.
+INFLIGHT = f"{PREFIX}:inflight"
+
 # Live workers. Writer: workers.loop heartbeat (ZADD score = unix time). Readers: ingest /ready,
 # the TUI, /metrics. Entries older than the heartbeat TTL are dead.
 WORKERS_ALIVE = f"{PREFIX}:workers:alive"

@@ -20,6 +20,7 @@ import redis
 from cli.embedded_redis import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+LIVE_MAX_QUEUE = 32  # the session server's admission limit (tests/e2e/test_scheduling.py overflows it)
 
 
 @dataclass
@@ -75,7 +76,7 @@ def stop_server(server: LiveServer) -> None:
 
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    server = start_server(tmp_path_factory.mktemp("serve"), "--workers", "1")
+    server = start_server(tmp_path_factory.mktemp("serve"), "--workers", "1", "--max-queue", str(LIVE_MAX_QUEUE))
     yield server
     stop_server(server)
 

@@ -47,6 +47,7 @@ class WorkerLoop:
         self._first_token: set[str] = set()
         self._last_heartbeat = 0.0
         self._last_cancel_check = 0.0
+        self._last_counts = (time.monotonic(), 0, 0)
         self.finished_total = 0
         self.cancelled_total = 0
 
@@ -137,6 +138,7 @@ class WorkerLoop:
             keys.request_meta(rid),
             mapping={"status": "finished", "outcome": outcome, "finished_at": now, "batch_max": e.batch_max},
         )
+        pipe.decr(keys.INFLIGHT)
         entry = self._entries.pop(rid, None)
         if entry is not None:
             pipe.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, entry)
@@ -144,10 +146,21 @@ class WorkerLoop:
             pipe.expire(key, self.settings.result_ttl)
         self._first_token.discard(rid)
 
+    def _rates(self, now: float) -> tuple[float, float]:
+        """Prefill and decode tokens/s since the previous heartbeat."""
+        stats = self.engine.stats
+        then, prefill, decode = self._last_counts
+        self._last_counts = (now, stats.prefill_tokens, stats.decode_tokens)
+        span = max(now - then, 1e-6)
+        return (stats.prefill_tokens - prefill) / span, (stats.decode_tokens - decode) / span
+
     async def heartbeat(self) -> None:
-        self._last_heartbeat = time.monotonic()
+        now = time.monotonic()
+        self._last_heartbeat = now
         stats = self.engine.stats
         sched = self.engine.scheduler
+        prefill_tps, decode_tps = self._rates(now)
+        runner = self.engine.runner
         figures: dict[Any, Any] = {
             **self.info,
             "pid": os.getpid(),
@@ -163,6 +176,12 @@ class WorkerLoop:
             "prefill_tokens": stats.prefill_tokens,
             "decode_tokens": stats.decode_tokens,
             "step_ms": round(stats.last_step_s * 1000, 2),
+            "prefill_tps": round(prefill_tps, 1),
+            "decode_tps": round(decode_tps, 1),
+            "kv_used_tokens": sum(s.computed for s in sched.running),
+            "kv_total_tokens": runner.num_slots * runner.max_len,
+            "kv_slots_used": len(sched.running),
+            "preemptions": sched.preemptions,
             "finished": self.finished_total,
             "cancelled": self.cancelled_total,
         }

@@ -29,7 +29,7 @@ CASES: list[tuple[str, Any, str | None]] = [
     ("missing model", {"messages": GOOD["messages"]}, "model"),
     ("wrong type", {**GOOD, "temperature": "warm"}, "temperature"),
     ("unknown role", {**GOOD, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    ("n above one", {**GOOD, "n": 3}, "n"),
+    ("n above the cap", {**GOOD, "n": 17}, "n"),
     ("negative max_tokens", {**GOOD, "max_tokens": -5}, "max_tokens"),
     ("absurd max_tokens", {**GOOD, "max_tokens": 10**9}, "max_tokens"),
     ("max_tokens past the context", {**GOOD, "max_tokens": 4090}, "max_tokens"),
@@ -64,7 +64,7 @@ def test_bad_input_is_a_400_naming_the_parameter_and_nothing_is_queued(live_serv
 
 def test_the_sdk_sees_a_bad_request_error_with_the_param(live_server: LiveServer) -> None:
     with openai.OpenAI(base_url=f"{live_server.base_url}/v1", api_key="x", max_retries=0) as api, pytest.raises(openai.BadRequestError) as caught:
-        api.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=2)
+        api.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=2, stream=True)
     assert caught.value.param == "n"
 
 

@@ -1,0 +1,82 @@
+"""The torch runner with a tiny random-init Llama (fast): seeds are batch-independent, batching and
+slot reuse don't change a sequence's tokens, and a deadline ends a request with a timeout finish."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from shared.deltas import Content, Finish, FinishReason
+from shared.settings import Settings
+from workers.engine import Engine
+from workers.runner import TorchRunner
+
+from .fakes import INFO, ByteTokenizer, make_request
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config).eval()
+
+
+def run(model: LlamaForCausalLM, requests: list, *, slots: int = 8, settings: Settings | None = None) -> dict[str, list[int]]:  # type: ignore[type-arg]
+    runner = TorchRunner(model, max_len=128, kv_budget_mb=64, max_slots=slots, device=torch.device("cpu"), dtype=torch.float32)
+    engine = Engine(runner, ByteTokenizer(), INFO, settings=settings or Settings(max_running=slots, max_tokens_per_step=256))
+    for r in requests:
+        engine.add(r)
+    tokens: dict[str, list[int]] = {r.id: [] for r in requests}
+    for _ in range(500):
+        if not engine.has_work():
+            return tokens
+        for e in engine.step():
+            if isinstance(e.delta, (Content, Finish)):
+                tokens[e.request_id].extend(e.delta.token_ids)
+    raise AssertionError("did not finish")
+
+
+def sampled(rid: str, seed: int, **extra: object) -> object:
+    return make_request(rid, prompt_len=6, max_tokens=24, ignore_eos=True, temperature=1.0, seed=seed, **extra)
+
+
+def test_the_same_seed_gives_the_same_tokens_alone_and_in_a_full_batch(tiny: LlamaForCausalLM) -> None:
+    alone = run(tiny, [sampled("me", 42)])["me"]
+    crowd = [sampled(f"other{i}", i, top_p=0.9, top_k=20) for i in range(7)]
+    together = run(tiny, [*crowd[:3], sampled("me", 42), *crowd[3:]])["me"]
+    assert alone == together and len(alone) == 24
+    assert run(tiny, [sampled("me", 43)])["me"] != alone
+
+
+def test_top_k_one_equals_greedy_through_the_runner(tiny: LlamaForCausalLM) -> None:
+    greedy = run(tiny, [make_request("g", prompt_len=6, max_tokens=16, ignore_eos=True, temperature=0.0)])["g"]
+    top1 = run(tiny, [sampled("k", 7, top_k=1)])["k"][:16]
+    assert greedy == top1
+
+
+def test_logit_bias_plus_100_forces_a_token(tiny: LlamaForCausalLM) -> None:
+    forced = run(tiny, [make_request("b", prompt_len=6, max_tokens=8, ignore_eos=True, temperature=1.0, seed=1, logit_bias=((123, 100.0),))])["b"]
+    assert forced == [123] * 8
+
+
+def test_slot_reuse_after_a_finish_does_not_leak_into_the_next_sequence(tiny: LlamaForCausalLM) -> None:
+    greedy = make_request("x", prompt_len=6, max_tokens=16, ignore_eos=True, temperature=0.0)
+    reference = run(tiny, [greedy])["x"]
+    before = [replace(make_request(f"p{i}", prompt_len=30, max_tokens=5, ignore_eos=True, temperature=0.0)) for i in range(2)]
+    after = run(tiny, [*before, replace(greedy, priority=10)], slots=1)
+    assert after["x"] == reference
+
+
+def test_a_request_past_its_deadline_ends_with_a_timeout_finish(tiny: LlamaForCausalLM) -> None:
+    runner = TorchRunner(tiny, max_len=128, kv_budget_mb=16, max_slots=2, device=torch.device("cpu"), dtype=torch.float32)
+    now = [1000.0]
+    engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=2, request_timeout=5.0), clock=lambda: now[0])
+    engine.add(replace(make_request("slow", max_tokens=100, ignore_eos=True), created=999.0))
+    engine.step()
+    now[0] = 1010.0
+    [end] = engine.step()
+    assert end.request_id == "slow" and isinstance(end.delta, Finish) and end.delta.reason is FinishReason.TIMEOUT
+    assert not engine.has_work()
