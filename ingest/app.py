@@ -37,6 +37,7 @@ from shared import keys
 from shared.deltas import Error, StreamDelta, is_terminal
 from shared.errors import ApiError, invalid
 from shared.ir import ImagePart, Message, Protocol, Request
+from shared.redact import redact
 from shared.settings import Settings
 
 log = logging.getLogger("met.api")
@@ -90,7 +91,7 @@ class Api:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        return replace(request, prompt_token_ids=tuple(prompt), raw_body=orjson.dumps(body).decode())
+        return replace(request, prompt_token_ids=tuple(prompt), raw_body=orjson.dumps(redact(body)).decode())
 
     async def publish(self, parts: list[Request]) -> None:
         """Admit (queue depth) and XADD every part of a request, or refuse before anything is queued."""

@@ -14,13 +14,24 @@ CANCEL_TTL = 3600
 
 
 async def submit(redis: Redis, request: Request) -> None:
-    """Record the request's meta, then XADD it (never MAXLEN: accepted work is never trimmed)."""
-    async with redis.pipeline(transaction=True) as pipe:
+    """Record the request (IR, meta, index), create its empty delta stream (so that workers' NOMKSTREAM
+    writes can never recreate an expired one), then XADD it (never MAXLEN: accepted work is never trimmed).
+
+    A non-transactional pipeline keeps the order and stays valid on a Redis cluster, where these keys
+    live in different slots."""
+    encoded = encode_request(request)
+    now = time.time()
+    deltas = keys.delta_stream(request.id)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.set(keys.request_ir(request.id), encoded)
         pipe.hset(
             keys.request_meta(request.id),
-            mapping={"status": "queued", "protocol": request.protocol.value, "model": request.model, "received_at": time.time()},
+            mapping={"status": "queued", "protocol": request.protocol.value, "model": request.model, "endpoint": request.endpoint, "received_at": now},
         )
-        pipe.xadd(keys.REQUEST_STREAM, {"v": VERSION, "id": request.id, "req": encode_request(request)})
+        pipe.xadd(deltas, {"created": b"1"}, id="0-1")
+        pipe.xtrim(deltas, maxlen=0)
+        pipe.zadd(keys.REQUEST_INDEX, {request.id: now})
+        pipe.xadd(keys.REQUEST_STREAM, {"v": VERSION, "id": request.id, "req": encoded})
         await pipe.execute()
 
 

@@ -19,6 +19,18 @@ WORKER_GROUP = f"{PREFIX}:workers"
 # Readers: ingest admission, the TUI, /metrics.
 INFLIGHT = f"{PREFIX}:inflight"
 
+# Every accepted request, by time received (score: unix time). Writer: ingest.publish. Pruner: workers.loop
+# (entries older than the dump TTL). Readers: `met dump list`, the TUI.
+REQUEST_INDEX = f"{PREFIX}:requests:index"
+
+# One entry per request that reached its terminal event (fields: id, outcome). Writer: workers.loop
+# (approximately capped: a notification feed, not accepted work). Readers: `--dump-dir` writers, the TUI.
+FINISHED = f"{PREFIX}:finished"
+
+# Requests that killed their worker too often (fields: id, deliveries, reason). Writer: workers.loop.
+# Readers: the TUI, `met dump`, operators. Never trimmed.
+DEAD_LETTER = f"{PREFIX}:deadletter"
+
 # Live workers. Writer: workers.loop heartbeat (ZADD score = unix time). Readers: ingest /ready,
 # the TUI, /metrics. Entries older than the heartbeat TTL are dead.
 WORKERS_ALIVE = f"{PREFIX}:workers:alive"
@@ -52,6 +64,17 @@ def request_meta(request_id: str) -> str:
     """Hash: status, worker, attempt, timings, batch peak. Writers: ingest.publish (received),
     workers.loop (claimed, first token, finished). Readers: dumps, the TUI, tests."""
     return f"{_tag(request_id)}:meta"
+
+
+def request_ir(request_id: str) -> str:
+    """The encoded request IR (as on the request stream), kept for dumps and replay after the stream is
+    trimmed. Writer: ingest.publish. Readers: dumps, replay, workers.loop on reclaim."""
+    return f"{_tag(request_id)}:request"
+
+
+def request_keys(request_id: str) -> tuple[str, ...]:
+    """Every per-request key (one hash slot); each gets the dump TTL after the terminal event."""
+    return (delta_stream(request_id), request_meta(request_id), request_ir(request_id), cancel_flag(request_id))
 
 
 def cancel_flag(request_id: str) -> str:

@@ -41,7 +41,18 @@ class Settings:
     ping_interval: float = 10.0  # seconds of stream silence before a keep-alive ping
     heartbeat_interval: float = 1.0
     heartbeat_ttl: float = 10.0  # a worker silent this long is dead
-    result_ttl: int = 86400  # seconds per-request keys live after their terminal event
+    dump_ttl: int = 86400  # seconds per-request keys (the dump) live after their terminal event
+    dump_dir: str = ""  # also append every finished request to rotating JSONL files here (api / serve)
+    lease_s: float = 10.0  # a claimed request whose worker stops renewing for this long is reclaimed
+    drain_timeout: float = 30.0  # on SIGTERM, seconds a worker may spend finishing in-flight requests
+    max_deliveries: int = 3  # a request delivered this many times without finishing goes to the dead letters
+    crash_on: str = ""  # fault injection for recovery tests: a worker exits hard on a prompt containing this
+    api_keys: str = ""  # comma-separated API keys; empty with no keys file = no auth
+    api_keys_file: str = ""  # one key per line
+    rate_limit_rpm: int = 0  # requests per minute per key (0 = unlimited), shared across API nodes
+    rate_limit_tpm: int = 0  # tokens per minute per key (0 = unlimited)
+    max_body_bytes: int = 32 * 2**20
+    max_json_depth: int = 64
     response_ttl: int = 30 * 86400  # seconds a stored Responses-API response is kept (store=true)
 
     @classmethod

@@ -142,8 +142,9 @@ class WorkerLoop:
         entry = self._entries.pop(rid, None)
         if entry is not None:
             pipe.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, entry)
-        for key in (keys.delta_stream(rid), keys.request_meta(rid), keys.cancel_flag(rid)):
-            pipe.expire(key, self.settings.result_ttl)
+        for key in keys.request_keys(rid):
+            pipe.expire(key, self.settings.dump_ttl)
+        pipe.xadd(keys.FINISHED, {"id": rid, "outcome": outcome}, maxlen=100_000, approximate=True)
         self._first_token.discard(rid)
 
     def _rates(self, now: float) -> tuple[float, float]:
