@@ -49,6 +49,8 @@ async def tail(redis: Redis, request_id: str, *, deadline: float, block_ms: int 
         for _stream, entries in reply:
             for entry_id, fields in entries:
                 last = entry_id
+                if b"d" not in fields:
+                    continue  # the marker that created the stream
                 delta = decode_delta(fields[b"d"])
                 yield delta
                 if is_terminal(delta):

@@ -29,7 +29,7 @@ async def submit(redis: Redis, request: Request) -> None:
             mapping={"status": "queued", "protocol": request.protocol.value, "model": request.model, "endpoint": request.endpoint, "received_at": now},
         )
         pipe.xadd(deltas, {"created": b"1"}, id="0-1")
-        pipe.xtrim(deltas, maxlen=0)
+        pipe.xtrim(deltas, maxlen=0, approximate=False)
         pipe.zadd(keys.REQUEST_INDEX, {request.id: now})
         pipe.xadd(keys.REQUEST_STREAM, {"v": VERSION, "id": request.id, "req": encoded})
         await pipe.execute()

@@ -77,14 +77,34 @@ class Engine:
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
 
-    def add(self, request: Request, *, attempt: int = 1) -> None:
+    def add(self, request: Request, *, attempt: int = 1, resume: tuple[int, ...] = ()) -> list[Emission]:
+        """Queue a request. `resume` holds the tokens an earlier attempt already emitted: they are
+        re-prefilled with the prompt (recompute) and generation continues after them, so the client
+        sees no gap and no repeat. Returns the terminal emission when nothing is left to generate."""
         request = _with_resolved_sampling(request, self.info)
         budget = self.runner.max_len - len(request.prompt_token_ids)
         max_tokens = min(request.sampling.max_tokens or budget, budget)
-        seq = Sequence(request=request, prompt=list(request.prompt_token_ids), attempt=attempt)
-        seq.state = _TextState(IncrementalDetokenizer(self.tokenizer), StopMatcher(request.sampling.stop), max_tokens=max_tokens)
+        seq = Sequence(request=request, prompt=list(request.prompt_token_ids), attempt=attempt, output=list(resume))
+        seq.context = seq.prompt + seq.output
+        state = _TextState(IncrementalDetokenizer(self.tokenizer), StopMatcher(request.sampling.stop), max_tokens=max_tokens)
+        for token in resume:
+            state.detok.push(token)  # the text of these tokens was delivered by the earlier attempt
+        seq.state = state
         self._seqs[request.id] = seq
         self.scheduler.add(seq)
+        if resume and resume[-1] in self.info.eos_token_ids and not request.sampling.ignore_eos:
+            return [self._finish(seq, FinishReason.STOP)]
+        if len(resume) >= max_tokens:
+            return [self._finish(seq, FinishReason.LENGTH)]
+        return []
+
+    def discard(self, request_id: str) -> None:
+        """Forget a request without emitting anything (another worker owns it now)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            if seq.slot is not None:
+                self.runner.release(seq)
+            self.scheduler.finish(seq)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

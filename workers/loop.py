@@ -1,9 +1,12 @@
 """The worker loop: all of a worker's Redis I/O around `Engine.step()`.
 
-Claims requests through the consumer group, checks cancel flags, runs a step in a thread (so Redis
-I/O is not blocked behind a forward), appends the step's deltas to each request's stream in one
-pipeline, and XACKs a request only after its terminal event is written. Heartbeats the worker's
-presence (model, pid, started, active, batch figures) with a TTL.
+Each `step_once()`: claim new requests (and, every half lease, reclaim ones whose holder died),
+check cancel flags, run one engine step in a thread (so Redis I/O is not blocked behind a forward),
+and write the step's deltas through the fenced script (`workers.leases`). A request is XACKed only
+after its terminal event is written. Periodically: heartbeat (figures for /ready, the TUI, /metrics),
+lease renewal, and trimming the request stream below the oldest unacknowledged entry.
+SIGTERM drains: stop claiming, finish in-flight work within `drain_timeout`, then release the leases
+of what is left so another worker resumes it at once.
 """
 
 from __future__ import annotations
@@ -13,26 +16,28 @@ import logging
 import os
 import socket
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
 
 from shared import keys
-from shared.codec import CodecError, decode_request, encode_delta
-from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, Usage
+from shared.codec import CodecError, decode_delta, decode_request, encode_delta
+from shared.deltas import Error, ErrorKind, Finish, FinishReason, StreamDelta, Usage, is_terminal
+from shared.ir import Request
 from shared.settings import Settings
+from workers import leases
 from workers.engine import Emission, Engine
 
 log = logging.getLogger(__name__)
+TRIM_EVERY_S = 60.0
 
 
-async def ensure_group(redis: Redis) -> None:
-    try:
-        await redis.xgroup_create(keys.REQUEST_STREAM, keys.WORKER_GROUP, id="0", mkstream=True)
-    except ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
+@dataclass(frozen=True, slots=True)
+class Held:
+    entry_id: str
+    attempt: int
 
 
 class WorkerLoop:
@@ -43,23 +48,25 @@ class WorkerLoop:
         self.worker_id = worker_id
         self.info = info
         self.started = time.time()
-        self._entries: dict[str, str] = {}  # request id -> request stream entry id
-        self._first_token: set[str] = set()
-        self._last_heartbeat = 0.0
-        self._last_cancel_check = 0.0
-        self._last_counts = (time.monotonic(), 0, 0)
+        self.draining = False
+        self.held: dict[str, Held] = {}
         self.finished_total = 0
         self.cancelled_total = 0
+        self.stale_total = 0
+        self._fenced = redis.register_script(leases.FENCED_WRITE)
+        self._due: dict[str, float] = defaultdict(float)
+        self._last_counts = (time.monotonic(), 0, 0)
 
     async def run(self, stop: asyncio.Event) -> None:
-        await ensure_group(self.redis)
+        await leases.ensure_group(self.redis)
         await self.heartbeat()
         while not stop.is_set():
             await self.step_once()
-        await self.shutdown()
+        await self.drain()
 
     async def step_once(self) -> None:
-        await self.claim(block_ms=None if self.engine.has_work() else 200)
+        if not self.draining:
+            await self.claim(block_ms=None if self.engine.has_work() else 200)
         await self.check_cancels()
         if self.engine.has_work():
             try:
@@ -68,42 +75,90 @@ class WorkerLoop:
                 log.exception("engine step failed; ending the requests in flight with an error")
                 emissions = self.engine.fail_all("The worker failed while generating this response.")
             await self.publish(emissions)
-        if time.monotonic() - self._last_heartbeat >= self.settings.heartbeat_interval:
+        await self.periodic()
+
+    def _every(self, name: str, seconds: float) -> bool:
+        now = time.monotonic()
+        if now < self._due[name]:
+            return False
+        self._due[name] = now + seconds
+        return True
+
+    async def periodic(self) -> None:
+        if self._every("heartbeat", self.settings.heartbeat_interval):
             await self.heartbeat()
+        if self._every("renew", self.settings.lease_s / 3):
+            await leases.renew(self.redis, self.worker_id, [h.entry_id for h in self.held.values()])
+        if not self.draining and self._every("reclaim", self.settings.lease_s / 2):
+            await self.reclaim()
+        if self._every("trim", TRIM_EVERY_S):
+            await leases.trim_acknowledged(self.redis)
+            await self.redis.zremrangebyscore(keys.REQUEST_INDEX, "-inf", time.time() - self.settings.dump_ttl)
 
     def _capacity(self) -> int:
         return max(0, self.engine.scheduler.num_free_slots - len(self.engine.scheduler.waiting))
 
     async def claim(self, *, block_ms: int | None) -> None:
         count = self._capacity()
-        if count == 0:
-            return
-        reply: Any = await self.redis.xreadgroup(keys.WORKER_GROUP, self.worker_id, {keys.REQUEST_STREAM: ">"}, count=count, block=block_ms)
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                await self._accept(_text(entry_id), fields)
+        if count:
+            for claimed in await leases.claim_new(self.redis, self.worker_id, count=count, block_ms=block_ms):
+                await self.take(claimed)
+        elif block_ms:
+            await asyncio.sleep(block_ms / 1000)
 
-    async def _accept(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
+    async def reclaim(self) -> None:
+        count = self._capacity()
+        if count:
+            for claimed in await leases.reclaim_idle(self.redis, self.worker_id, count=count, lease_s=self.settings.lease_s):
+                log.warning("reclaimed request entry %s (delivery %d)", claimed.entry_id, claimed.deliveries)
+                await self.take(claimed)
+
+    async def take(self, claimed: leases.Claimed) -> None:
+        """Start (or resume) a claimed request under a new attempt number."""
         try:
-            request = decode_request(fields[b"req"])
-        except (KeyError, CodecError, ValueError) as exc:
-            log.error("dropping unreadable request entry %s: %s", entry_id, exc)
-            await self.redis.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, entry_id)
+            assert claimed.fields is not None, "entry trimmed"
+            request = decode_request(claimed.fields[b"req"])
+        except (AssertionError, KeyError, CodecError, ValueError) as exc:
+            log.error("dropping unreadable request entry %s: %s", claimed.entry_id, exc)
+            await self.redis.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, claimed.entry_id)
             return
-        self._entries[request.id] = entry_id
+        attempt = await leases.begin_attempt(self.redis, request.id, worker=self.worker_id, deliveries=claimed.deliveries)
+        self.held[request.id] = Held(claimed.entry_id, attempt)
+        recorded = await self.recorded_deltas(request.id)
+        if any(is_terminal(d) for d in recorded):
+            await self._forget(request.id, ack=True)  # an earlier attempt finished it; only the ack was lost
+            return
+        if claimed.deliveries > self.settings.max_deliveries:
+            await self.dead_letter(request, claimed)
+            return
         if await self.redis.exists(keys.cancel_flag(request.id)):
             usage = Usage(prompt_tokens=len(request.prompt_token_ids))
-            await self.publish([Emission(request.id, Finish(reason=FinishReason.CANCELLED, usage=usage))])
+            await self.publish([Emission(request.id, Finish(reason=FinishReason.CANCELLED, usage=usage, attempt=attempt))])
             return
-        await self.redis.hset(keys.request_meta(request.id), mapping={"status": "running", "worker": self.worker_id, "attempt": 1, "claimed_at": time.time()})
-        self.engine.add(request, attempt=1)
+        if self.settings.crash_on and self.settings.crash_on in request.raw_body:
+            log.critical("fault injection: exiting hard on request %s (crash_on)", request.id)
+            os._exit(70)
+        emitted = tuple(t for d in recorded for t in getattr(d, "token_ids", ()))
+        await self.publish(self.engine.add(request, attempt=attempt, resume=emitted))
+
+    async def recorded_deltas(self, request_id: str) -> list[StreamDelta]:
+        entries: Any = await self.redis.xrange(keys.delta_stream(request_id))
+        return [decode_delta(fields[b"d"]) for _id, fields in entries if b"d" in fields]
+
+    async def dead_letter(self, request: Request, claimed: leases.Claimed) -> None:
+        log.error("request %s was delivered %d times; moving it to the dead letters", request.id, claimed.deliveries)
+        await self.redis.xadd(keys.DEAD_LETTER, {"id": request.id, "entry": claimed.entry_id, "deliveries": claimed.deliveries, "at": time.time()})
+        error = Error(
+            message=f"The request failed {claimed.deliveries - 1} times and was set aside (dead-lettered).",
+            kind=ErrorKind.INTERNAL,
+            attempt=self.held[request.id].attempt,
+        )
+        await self.publish([Emission(request.id, error)])
 
     async def check_cancels(self) -> None:
-        now = time.monotonic()
         active = self.engine.active_ids()
-        if not active or now - self._last_cancel_check < 0.05:
+        if not active or not self._every("cancels", 0.05):
             return
-        self._last_cancel_check = now
         async with self.redis.pipeline(transaction=False) as pipe:
             for rid in active:
                 pipe.exists(keys.cancel_flag(rid))
@@ -115,37 +170,46 @@ class WorkerLoop:
         await self.publish(emissions)
 
     async def publish(self, emissions: list[Emission]) -> None:
+        """Write each request's deltas through the fenced script; ack the ones that ended."""
         if not emissions:
             return
+        by_request: dict[str, list[Emission]] = defaultdict(list)
+        for e in emissions:
+            by_request[e.request_id].append(e)
         now = time.time()
+        rids = [rid for rid in by_request if rid in self.held]
         async with self.redis.pipeline(transaction=False) as pipe:
-            for e in emissions:
-                pipe.xadd(keys.delta_stream(e.request_id), {"d": encode_delta(e.delta)})
-                if isinstance(e.delta, Content) and e.request_id not in self._first_token:
-                    self._first_token.add(e.request_id)
-                    pipe.hset(keys.request_meta(e.request_id), "first_token_at", now)
-                if e.terminal:
-                    self._terminal(pipe, e, now)
-            await pipe.execute()
+            for rid in rids:
+                terminal = next((e for e in by_request[rid] if e.terminal), None)
+                args: list[Any] = [self.held[rid].attempt, self.settings.dump_ttl, _outcome(terminal.delta) if terminal else "", now, terminal.batch_max if terminal else 0]
+                await self._fenced(keys=list(_script_keys(rid)), args=[*args, *(encode_delta(e.delta) for e in by_request[rid])], client=pipe)
+            results = await pipe.execute()
+        for rid, written in zip(rids, results, strict=True):
+            terminal = next((e for e in by_request[rid] if e.terminal), None)
+            if not written:
+                log.warning("request %s: attempt %d is stale; another worker owns it now", rid, self.held[rid].attempt)
+                self.stale_total += 1
+                self.engine.discard(rid)
+                self.held.pop(rid, None)
+            elif terminal is not None:
+                self._count(terminal.delta)
+                await self._forget(rid, ack=True, outcome=_outcome(terminal.delta))
 
-    def _terminal(self, pipe: Any, e: Emission, now: float) -> None:
-        rid = e.request_id
-        outcome = e.delta.reason.value if isinstance(e.delta, Finish) else f"error:{e.delta.kind.value}"  # type: ignore[union-attr]
+    def _count(self, delta: StreamDelta) -> None:
         self.finished_total += 1
-        if outcome == FinishReason.CANCELLED.value:
+        if isinstance(delta, Finish) and delta.reason is FinishReason.CANCELLED:
             self.cancelled_total += 1
-        pipe.hset(
-            keys.request_meta(rid),
-            mapping={"status": "finished", "outcome": outcome, "finished_at": now, "batch_max": e.batch_max},
-        )
-        pipe.decr(keys.INFLIGHT)
-        entry = self._entries.pop(rid, None)
-        if entry is not None:
-            pipe.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, entry)
-        for key in keys.request_keys(rid):
-            pipe.expire(key, self.settings.dump_ttl)
-        pipe.xadd(keys.FINISHED, {"id": rid, "outcome": outcome}, maxlen=100_000, approximate=True)
-        self._first_token.discard(rid)
+
+    async def _forget(self, rid: str, *, ack: bool, outcome: str | None = None) -> None:
+        held = self.held.pop(rid, None)
+        if held is None or not ack:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, held.entry_id)
+            if outcome is not None:
+                pipe.decr(keys.INFLIGHT)
+                pipe.xadd(keys.FINISHED, {"id": rid, "outcome": outcome}, maxlen=100_000, approximate=True)
+            await pipe.execute()
 
     def _rates(self, now: float) -> tuple[float, float]:
         """Prefill and decode tokens/s since the previous heartbeat."""
@@ -156,11 +220,9 @@ class WorkerLoop:
         return (stats.prefill_tokens - prefill) / span, (stats.decode_tokens - decode) / span
 
     async def heartbeat(self) -> None:
-        now = time.monotonic()
-        self._last_heartbeat = now
         stats = self.engine.stats
         sched = self.engine.scheduler
-        prefill_tps, decode_tps = self._rates(now)
+        prefill_tps, decode_tps = self._rates(time.monotonic())
         runner = self.engine.runner
         figures: dict[Any, Any] = {
             **self.info,
@@ -168,6 +230,7 @@ class WorkerLoop:
             "host": socket.gethostname(),
             "started": self.started,
             "heartbeat": time.time(),
+            "draining": int(self.draining),
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "active": len(self.engine.active_ids()),
@@ -185,6 +248,7 @@ class WorkerLoop:
             "preemptions": sched.preemptions,
             "finished": self.finished_total,
             "cancelled": self.cancelled_total,
+            "stale_writes": self.stale_total,
         }
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(keys.worker_info(self.worker_id), mapping=figures)
@@ -192,16 +256,31 @@ class WorkerLoop:
             pipe.zadd(keys.WORKERS_ALIVE, {self.worker_id: time.time()})
             await pipe.execute()
 
-    async def shutdown(self) -> None:
-        """End every in-flight request with one terminal event, then leave the live set."""
-        emissions = []
-        for rid in self.engine.active_ids():
-            self.engine.cancel(rid)
-            emissions.append(Emission(rid, Error(message="The worker shut down before finishing this request.", kind=ErrorKind.OVERLOADED)))
-        await self.publish(emissions)
+    async def drain(self) -> None:
+        """Stop claiming, finish what runs within the drain timeout, hand the rest back, leave."""
+        self.draining = True
+        await self.heartbeat()
+        deadline = time.monotonic() + self.settings.drain_timeout
+        while self.engine.has_work() and time.monotonic() < deadline:
+            await self.step_once()
+        left = list(self.held.items())
+        if left:
+            log.warning("drain timeout: handing %d request(s) back for another worker to resume", len(left))
+            await leases.release(self.redis, self.worker_id, [h.entry_id for _, h in left], lease_s=self.settings.lease_s)
+            for rid, _ in left:
+                self.engine.discard(rid)
+            self.held.clear()
         await self.redis.zrem(keys.WORKERS_ALIVE, self.worker_id)
         await self.redis.delete(keys.worker_info(self.worker_id))
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _script_keys(rid: str) -> tuple[str, str, str, str]:
+    return keys.request_meta(rid), keys.delta_stream(rid), keys.request_ir(rid), keys.cancel_flag(rid)
+
+
+def _outcome(delta: StreamDelta) -> str:
+    if isinstance(delta, Finish):
+        return delta.reason.value
+    if isinstance(delta, Error):
+        return f"error:{delta.kind.value}"
+    return ""

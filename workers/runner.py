@@ -147,9 +147,12 @@ class TorchRunner:
         params = seq.request.sampling
         gen = self._generators.get(seq.key)
         if gen is None and params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed % 2**63)
-            self._generators[seq.key] = gen
+            gen = self._generators[seq.key] = torch.Generator(device=self.device)
+        if gen is not None and params.seed is not None:
+            # Seeded per output position: token k is drawn the same way whatever came before in this
+            # process, so a request resumed on another worker (or after a preemption) draws what an
+            # uninterrupted run would have drawn.
+            gen.manual_seed((params.seed * 1_000_003 + len(seq.output)) % 2**63)
         breakers = self._breakers.get(seq.key, frozenset())
         if params.dry_multiplier > 0 and self.tokenizer is not None and seq.key not in self._breakers:
             breakers = self._breakers[seq.key] = breaker_ids(self.tokenizer, params.dry_sequence_breakers)

@@ -1,0 +1,103 @@
+"""Leases and fencing against a real Redis: stale attempts cannot write, idle work is reclaimed,
+renewal keeps live work, release hands work back at once, and trimming never drops pending work."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.asyncio import Redis
+
+from ingest.publish import submit
+from shared import keys
+from shared.codec import encode_delta
+from shared.deltas import Content, Finish, FinishReason, Usage
+from workers import leases
+
+from .fakes import make_request
+
+
+def run(redis_url: str, body: Callable[[Redis], Awaitable[Any]]) -> Any:
+    async def main() -> Any:
+        redis = Redis.from_url(redis_url)
+        try:
+            await redis.delete(keys.REQUEST_STREAM)
+            await leases.ensure_group(redis)
+            return await body(redis)
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(main())
+
+
+async def fenced(redis: Redis, rid: str, attempt: int, *deltas: Any, outcome: str = "") -> int:
+    script = redis.register_script(leases.FENCED_WRITE)
+    meta, stream, ir, cancel = keys.request_meta(rid), keys.delta_stream(rid), keys.request_ir(rid), keys.cancel_flag(rid)
+    result: int = await script(keys=[meta, stream, ir, cancel], args=[attempt, 60, outcome, time.time(), 1, *(encode_delta(d) for d in deltas)])
+    return result
+
+
+def test_a_stale_attempt_cannot_write_and_the_current_one_can(redis_server: str) -> None:
+    async def body(redis: Redis) -> None:
+        request = make_request(f"fence-{time.monotonic_ns()}")
+        await submit(redis, request)
+        [claimed] = await leases.claim_new(redis, "w1", count=1, block_ms=None)
+        first = await leases.begin_attempt(redis, request.id, worker="w1", deliveries=1)
+        assert await fenced(redis, request.id, first, Content(text="a", attempt=first)) == 1
+        second = await leases.begin_attempt(redis, request.id, worker="w2", deliveries=2)
+        assert (first, second) == (1, 2)
+        assert await fenced(redis, request.id, first, Content(text="stale", attempt=first)) == 0
+        done = Finish(reason=FinishReason.STOP, usage=Usage(), attempt=second)
+        assert await fenced(redis, request.id, second, Content(text="b", attempt=second), done, outcome="stop") == 1
+        texts = [f[b"d"] for _, f in await redis.xrange(keys.delta_stream(request.id))]
+        assert len(texts) == 3 and b"stale" not in b"".join(texts)
+        assert 0 < await redis.ttl(keys.request_ir(request.id)) <= 60
+        assert (await redis.hget(keys.request_meta(request.id), "outcome")) == b"stop"
+        assert claimed.deliveries == 1
+
+    run(redis_server, body)
+
+
+def test_writes_never_recreate_an_expired_delta_stream(redis_server: str) -> None:
+    async def body(redis: Redis) -> None:
+        request = make_request(f"expired-{time.monotonic_ns()}")
+        await submit(redis, request)
+        attempt = await leases.begin_attempt(redis, request.id, worker="w", deliveries=1)
+        await redis.delete(keys.delta_stream(request.id))  # as if its TTL ran out
+        await fenced(redis, request.id, attempt, Content(text="late", attempt=attempt))
+        assert not await redis.exists(keys.delta_stream(request.id))
+
+    run(redis_server, body)
+
+
+def test_idle_work_is_reclaimed_with_a_higher_delivery_count_unless_renewed(redis_server: str) -> None:
+    async def body(redis: Redis) -> None:
+        for i in range(2):
+            await submit(redis, make_request(f"lease-{i}-{time.monotonic_ns()}"))
+        held = await leases.claim_new(redis, "dead", count=2, block_ms=None)
+        await asyncio.sleep(0.35)
+        await leases.renew(redis, "dead", [held[0].entry_id])  # this one is still being worked on
+        taken = await leases.reclaim_idle(redis, "alive", count=10, lease_s=0.3)
+        assert [c.entry_id for c in taken] == [held[1].entry_id]
+        assert taken[0].deliveries == 2 and taken[0].fields is not None
+        await leases.release(redis, "alive", [held[1].entry_id], lease_s=0.3)
+        again = await leases.reclaim_idle(redis, "third", count=10, lease_s=0.3)
+        assert [c.entry_id for c in again] == [held[1].entry_id]  # handed back: no need to wait for the lease
+
+    run(redis_server, body)
+
+
+def test_trimming_keeps_everything_pending_or_undelivered(redis_server: str) -> None:
+    async def body(redis: Redis) -> None:
+        for i in range(4):
+            await submit(redis, make_request(f"trim-{i}-{time.monotonic_ns()}"))
+        claimed = await leases.claim_new(redis, "w", count=2, block_ms=None)
+        await redis.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, claimed[0].entry_id)
+        await leases.trim_acknowledged(redis)
+        remaining = [eid.decode() for eid, _ in await redis.xrange(keys.REQUEST_STREAM)]
+        assert claimed[0].entry_id not in remaining
+        assert claimed[1].entry_id in remaining and len(remaining) == 3  # pending + two never delivered
+
+    run(redis_server, body)

@@ -1,0 +1,145 @@
+"""Claims, leases and fenced writes: the Redis side of at-least-once work with exactly-once output.
+
+- A request is claimed through the consumer group (XREADGROUP for new work, XAUTOCLAIM for work whose
+  holder stopped renewing for `lease_s`). Every claim bumps the request's `attempt` in its meta hash
+  (HINCRBY): that number is the fencing token.
+- The holder renews its lease by resetting the entries' idle time (XCLAIM … JUSTID, which does not
+  count as a delivery). A worker that dies stops renewing; its entries go idle and are reclaimed.
+- Every delta write goes through one Lua script that first checks the stored attempt: writes from a
+  stale attempt (a paused worker that woke up) are rejected atomically, so it can neither interleave
+  with nor finish over the new owner. The script writes with NOMKSTREAM (ingest created the stream),
+  so an expired request is never recreated; on the terminal event it records the outcome and sets the
+  dump TTL on every key of the request (all in one `{req:<id>}` hash slot, so it is cluster-safe).
+- XACK, the queue counter and the finished feed live in other slots, so they follow the script in
+  the same pipeline only when it accepted the write.
+Must not: decide scheduling or touch torch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from shared import keys
+
+# KEYS: meta, deltas, request, cancel. ARGV: attempt, ttl, outcome ("" unless terminal), now, batch_max,
+# then one encoded delta per remaining argument. Returns 1 when written, 0 when the attempt is stale.
+FENCED_WRITE = """
+if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 0 end
+for i = 6, #ARGV do redis.call('XADD', KEYS[2], 'NOMKSTREAM', '*', 'd', ARGV[i]) end
+if ARGV[3] == '' then
+  if #ARGV >= 6 then redis.call('HSETNX', KEYS[1], 'first_token_at', ARGV[4]) end
+  return 1
+end
+redis.call('HSET', KEYS[1], 'status', 'finished', 'outcome', ARGV[3], 'finished_at', ARGV[4], 'batch_max', ARGV[5])
+for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+return 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    entry_id: str
+    fields: dict[bytes, bytes] | None  # None: the entry was trimmed away meanwhile
+    deliveries: int
+
+
+async def ensure_group(redis: Redis) -> None:
+    try:
+        await redis.xgroup_create(keys.REQUEST_STREAM, keys.WORKER_GROUP, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+async def claim_new(redis: Redis, consumer: str, *, count: int, block_ms: int | None) -> list[Claimed]:
+    reply: Any = await redis.xreadgroup(keys.WORKER_GROUP, consumer, {keys.REQUEST_STREAM: ">"}, count=count, block=block_ms)
+    return [Claimed(_text(eid), fields, 1) for _stream, entries in reply or [] for eid, fields in entries]
+
+
+async def reclaim_idle(redis: Redis, consumer: str, *, count: int, lease_s: float) -> list[Claimed]:
+    """Take over entries idle longer than the lease. Parses both reply shapes: Redis 6.2 answers
+    [cursor, entries], 7.x answers [cursor, entries, deleted ids]."""
+    # Read the reply raw: redis-py's parser assumes 7.x and fails on 6.2's [id, nil] for deleted entries.
+    redis.set_response_callback("XAUTOCLAIM", _raw)
+    reply: Any = await redis.execute_command(
+        "XAUTOCLAIM", keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, int(lease_s * 1000), "0-0", "COUNT", count
+    )
+    entries = reply[1] if reply else []
+    claimed = [(_text(e[0]), _fields(e[1])) for e in entries if e]
+    if not claimed:
+        return []
+    deliveries = await _delivery_counts(redis, [eid for eid, _ in claimed])
+    return [Claimed(eid, fields, deliveries.get(eid, 1)) for eid, fields in claimed]
+
+
+async def _delivery_counts(redis: Redis, entry_ids: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    async with redis.pipeline(transaction=False) as pipe:
+        for eid in entry_ids:
+            pipe.xpending_range(keys.REQUEST_STREAM, keys.WORKER_GROUP, min=eid, max=eid, count=1)
+        for rows in await pipe.execute():
+            for row in rows:
+                counts[_text(row["message_id"])] = int(row["times_delivered"])
+    return counts
+
+
+async def renew(redis: Redis, consumer: str, entry_ids: list[str]) -> None:
+    """Reset the idle time of the entries we hold (not a delivery), so nobody reclaims live work."""
+    if entry_ids:
+        await redis.xclaim(keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, 0, entry_ids, justid=True)
+
+
+async def release(redis: Redis, consumer: str, entry_ids: list[str], *, lease_s: float) -> None:
+    """Hand entries back at once: mark them idle past the lease so the next XAUTOCLAIM takes them."""
+    if entry_ids:
+        idle_ms = int(lease_s * 1000) * 10
+        await redis.xclaim(keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, 0, entry_ids, idle=idle_ms, justid=True)
+
+
+async def begin_attempt(redis: Redis, request_id: str, *, worker: str, deliveries: int) -> int:
+    """Bump and return the request's attempt number (the fencing token) and record the claim."""
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hincrby(keys.request_meta(request_id), "attempt", 1)
+        pipe.hset(keys.request_meta(request_id), mapping={"status": "running", "worker": worker, "claimed_at": time.time(), "deliveries": deliveries})
+        attempt, _ = await pipe.execute()
+    return int(attempt)
+
+
+async def trim_acknowledged(redis: Redis) -> None:
+    """Trim the request stream below the oldest entry still pending or not yet delivered (never MAXLEN)."""
+    groups: Any = await redis.xinfo_groups(keys.REQUEST_STREAM)
+    group = next((g for g in groups if _text(g["name"]) == keys.WORKER_GROUP), None)
+    if group is None:
+        return
+    floor = _text(group["last-delivered-id"])
+    summary: Any = await redis.xpending(keys.REQUEST_STREAM, keys.WORKER_GROUP)
+    if summary and summary.get("pending") and summary.get("min"):
+        floor = min(floor, _text(summary["min"]), key=_id_key)
+    if floor != "0-0":
+        await redis.xtrim(keys.REQUEST_STREAM, minid=floor, approximate=False)
+
+
+def _raw(response: Any, **_options: Any) -> Any:
+    return response
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _fields(raw: Any) -> dict[bytes, bytes] | None:
+    if raw is None:
+        return None
+    if isinstance(raw, dict):
+        return raw
+    return {raw[i]: raw[i + 1] for i in range(0, len(raw), 2)}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
