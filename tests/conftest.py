@@ -38,11 +38,12 @@ class LiveServer:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(data_dir: Path, *args: str, ready_timeout: float = 240.0) -> LiveServer:
+def start_server(data_dir: Path, *args: str, ready_timeout: float = 240.0, env: dict[str, str] | None = None, workers_ready: int = 1) -> LiveServer:
+    """Start `met serve` and wait until /ready reports `workers_ready` live workers."""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log_path = data_dir / "serve.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--data-dir", str(data_dir), *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -52,7 +53,8 @@ def start_server(data_dir: Path, *args: str, ready_timeout: float = 240.0) -> Li
         if proc.poll() is not None:
             pytest.fail(f"met serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
         try:
-            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
+            ready = httpx.get(f"{base}/ready", timeout=2)
+            if ready.status_code == 200 and ready.json()["workers"] >= workers_ready:
                 break
         except httpx.HTTPError:
             pass
