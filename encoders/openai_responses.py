@@ -23,7 +23,19 @@ from typing import Any
 import orjson
 
 from encoders.frames import Frame, json_frame
-from shared.deltas import Content, Error, ErrorKind, Finish, Reasoning, Refusal, StreamDelta, ToolCallArgs, ToolCallStart, Usage
+from shared.deltas import (
+    Content,
+    Error,
+    ErrorKind,
+    Finish,
+    Reasoning,
+    Refusal,
+    StreamDelta,
+    TokenLogprob,
+    ToolCallArgs,
+    ToolCallStart,
+    Usage,
+)
 from shared.ir import Request
 
 ITEM_PREFIX = {"message": "msg", "function_call": "fc", "reasoning": "rs"}
@@ -95,7 +107,7 @@ class _ResponseState:
         self.token_ids.extend(delta.token_ids)
         self._pending_ids.extend(delta.token_ids)
         if isinstance(delta, Content):
-            events += self._text("message", "output_text", delta.text)
+            events += self._text("message", "output_text", delta.text, _logprobs(delta.logprobs))
         elif isinstance(delta, Refusal):
             events += self._text("message", "refusal", delta.text)
         elif isinstance(delta, Reasoning):
@@ -168,7 +180,7 @@ class _ResponseState:
         snapshot = self.response("in_progress")
         return [{"type": "response.created", "response": snapshot}, {"type": "response.in_progress", "response": copy.deepcopy(snapshot)}]
 
-    def _text(self, item_type: str, part_type: str, text: str) -> list[dict[str, Any]]:
+    def _text(self, item_type: str, part_type: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         if not text:
             return []
         events: list[dict[str, Any]] = []
@@ -198,7 +210,8 @@ class _ResponseState:
             "delta": text,
         }
         if part_type == "output_text":
-            event["logprobs"] = []
+            event["logprobs"] = logprobs or []
+            parts[-1]["logprobs"].extend(logprobs or [])
         events.append(self._ids(event))
         return events
 
@@ -215,7 +228,7 @@ class _ResponseState:
         key = PART_TEXT_KEY[part["type"]]
         done: dict[str, Any] = {"type": f"{PART_EVENT[part['type']]}.done", **where, key: part[key]}
         if part["type"] == "output_text":
-            done["logprobs"] = []
+            done["logprobs"] = list(part["logprobs"])
         return [done, {"type": "response.content_part.done", **where, "part": dict(part)}]
 
     def _close(self, status: str) -> list[dict[str, Any]]:
@@ -316,3 +329,16 @@ class ResponseAccumulator:
         if self._state.terminal is not None:
             return self._state.terminal
         return {**self._state.response("in_progress"), "output": copy.deepcopy(self._state.items)}
+
+
+def _logprobs(entries: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
+    """Responses' logprob entries: token, logprob, bytes, top_logprobs (requested with `top_logprobs`)."""
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": list(e.token.encode()),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, _id, lp in e.top],
+        }
+        for e in entries
+    ]

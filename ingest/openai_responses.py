@@ -41,6 +41,9 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         messages.extend(_input(f.require(body, "input")))
     stream = f.boolean(body["stream"], "stream") if body.get("stream") is not None else False
     params = sampling({k: body[k] for k in SHARED_SAMPLING if k in body}, stream=stream)
+    if body.get("top_logprobs") is not None:
+        top = f.integer(body["top_logprobs"], "top_logprobs", lo=0, hi=20)
+        params = replace(params, logprobs=True, top_logprobs=top)
     if body.get("max_output_tokens") is not None:
         params = replace(params, max_tokens=f.integer(body["max_output_tokens"], "max_output_tokens", lo=1, hi=f.MAX_TOKENS_CAP))
     store_flag(body)

@@ -94,3 +94,18 @@ def test_each_worker_writes_its_scheduler_figures_to_redis(live_server: LiveServ
         assert field in info, field
     assert int(info["kv_total_tokens"]) > 0 and int(info["decode_tokens"]) > 0
     assert time.time() - float(info["heartbeat"]) < 3
+
+
+def test_logprobs_in_chat_and_responses_formats(live_server: LiveServer) -> None:
+    with openai.OpenAI(base_url=f"{live_server.base_url}/v1", api_key="x", max_retries=0, timeout=120) as api:
+        chat = api.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+        )
+        with api.responses.stream(model="m", input="Hi", max_output_tokens=5, temperature=0, top_logprobs=2) as stream:
+            deltas = [e for e in stream if e.type == "response.output_text.delta"]
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content and all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+    assert content[0].top_logprobs[0].token == content[0].token  # greedy picks the most likely token
+    entries = [lp for d in deltas for lp in d.logprobs]
+    assert entries and all(len(lp.top_logprobs or []) == 2 for lp in entries)
