@@ -91,14 +91,14 @@ async def _delivery_counts(redis: Redis, entry_ids: list[str]) -> dict[str, int]
 async def renew(redis: Redis, consumer: str, entry_ids: list[str]) -> None:
     """Reset the idle time of the entries we hold (not a delivery), so nobody reclaims live work."""
     if entry_ids:
-        await redis.xclaim(keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, 0, entry_ids, justid=True)
+        await redis.xclaim(keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, 0, list[Any](entry_ids), justid=True)
 
 
 async def release(redis: Redis, consumer: str, entry_ids: list[str], *, lease_s: float) -> None:
     """Hand entries back at once: mark them idle past the lease so the next XAUTOCLAIM takes them."""
     if entry_ids:
         idle_ms = int(lease_s * 1000) * 10
-        await redis.xclaim(keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, 0, entry_ids, idle=idle_ms, justid=True)
+        await redis.xclaim(keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, 0, list[Any](entry_ids), idle=idle_ms, justid=True)
 
 
 async def begin_attempt(redis: Redis, request_id: str, *, worker: str, deliveries: int) -> int:

@@ -1,0 +1,199 @@
+"""`met replay`: run recorded requests again and say whether the output is the same; or re-encode them.
+
+Owns: the replay command. `--redis-url` (or the local `met serve`'s Redis) publishes each recorded IR
+unchanged (same prompt token ids, same sampling and seed) under a fresh id through the ordinary
+admission (`ingest.publish.admit`, waiting while the queue is at its limit) and `submit`, then tails its
+deltas (`encoders.wire.tail`): exact. `--against URL` re-sends the recorded body over HTTP (cli.replay_http),
+which re-renders the prompt on the server. Either way `shared.dumps.compare` decides: same generated
+token ids, text and finish reason. Requests run one after another, so batch-mates never differ.
+`--encode-only` needs no model: it writes the recorded deltas as a protocol's SSE bytes.
+Must not: edit the records, or count a request that could not be replayed as a match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import typer
+from redis.asyncio import Redis
+
+from cli.dump import resolve_redis_url
+from cli.replay_http import ReplayHttpError, post_and_read
+from encoders.wire import tail
+from ingest.publish import admit, submit
+from shared.codec import CodecError
+from shared.deltas import StreamDelta
+from shared.dumps import Comparison, DumpRecord, compare, encode_sse, read_records
+from shared.ir import Protocol
+from shared.settings import Settings
+
+PROTOCOLS = {
+    "openai": Protocol.OPENAI_CHAT,
+    "anthropic": Protocol.ANTHROPIC_MESSAGES,
+    "responses": Protocol.OPENAI_RESPONSES,
+    **{p.value: p for p in Protocol},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayTarget:
+    """Where to replay: a Redis URL (exact) or an HTTP base URL, and the limits that apply."""
+
+    redis_url: str | None = None
+    against: str | None = None
+    api_key: str | None = None
+    max_queue: int = 256
+    timeout: float = 630.0
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    record: DumpRecord
+    comparison: Comparison | None
+    new_id: str = ""
+    problem: str = ""  # why the request could not be replayed
+
+
+def load_file(path: str) -> list[DumpRecord]:
+    try:
+        with open(path, "rb") as lines:
+            return read_records(lines)
+    except (OSError, ValueError, KeyError, CodecError) as exc:
+        raise typer.BadParameter(f"cannot read dump records from {path}: {exc}", param_hint="FILE") from None
+
+
+# ---- replaying -------------------------------------------------------------------------------------
+
+
+async def replay_through_redis(redis: Redis, record: DumpRecord, target: ReplayTarget) -> tuple[str, list[StreamDelta]]:
+    """Publish the recorded IR under a fresh id (received now, so its deadline starts now) and collect its deltas."""
+    request = replace(record.request, id=secrets.token_hex(12), created=time.time())
+    end = time.monotonic() + target.timeout
+    while not await admit(redis, 1, target.max_queue):
+        if time.monotonic() > end:
+            raise TimeoutError(f"the queue stayed at its limit ({target.max_queue}) for {target.timeout:.0f} s")
+        await asyncio.sleep(0.5)
+    await submit(redis, request)
+    deltas = [d async for d in tail(redis, request.id, deadline=time.time() + target.timeout) if d is not None]
+    return request.id, deltas
+
+
+async def replay_all(records: Sequence[DumpRecord], target: ReplayTarget) -> list[Outcome]:
+    redis = Redis.from_url(target.redis_url) if target.redis_url else None
+    outcomes: list[Outcome] = []
+    try:
+        for record in records:
+            outcomes.append(await _replay_one(redis, record, target))
+            _print_outcome(outcomes[-1])
+    finally:
+        if redis is not None:
+            await redis.aclose()
+    return outcomes
+
+
+async def _replay_one(redis: Redis | None, record: DumpRecord, target: ReplayTarget) -> Outcome:
+    try:
+        if redis is not None:
+            new_request_id, deltas = await replay_through_redis(redis, record, target)
+            return Outcome(record, compare(record.deltas, deltas), new_request_id)
+        assert target.against is not None
+        deltas = await asyncio.to_thread(post_and_read, record, against=target.against, api_key=target.api_key, timeout=target.timeout)
+        return Outcome(record, compare(record.deltas, deltas, protocol=record.request.protocol))
+    except (ReplayHttpError, OSError, TimeoutError, ValueError, KeyError) as exc:
+        return Outcome(record, None, problem=f"{type(exc).__name__}: {exc}")
+
+
+# ---- reporting -------------------------------------------------------------------------------------
+
+
+def _unseeded(record: DumpRecord) -> bool:
+    sampling = record.request.sampling
+    return sampling.seed is None and not sampling.greedy
+
+
+def _print_outcome(outcome: Outcome) -> None:
+    record, result = outcome.record, outcome.comparison
+    head = f"{record.id}  {record.request.protocol.value:<18}"
+    replayed = f"  (replayed as {outcome.new_id})" if outcome.new_id else ""
+    if result is None:
+        typer.echo(f"{head}  FAILED    {outcome.problem}")
+        return
+    if result.matches:
+        typer.echo(f"{head}  match     {result.new_tokens} tokens, {result.new_finish}{replayed}")
+        return
+    typer.echo(f"{head}  DIVERGED  {result.recorded_tokens} tokens recorded, {result.new_tokens} now{replayed}")
+    for line in result.diff.splitlines():
+        typer.echo(f"    {line}")
+    if _unseeded(record):
+        typer.echo("    note: this request was sampled without a seed, so a different output is expected")
+
+
+def summary(outcomes: Sequence[Outcome]) -> tuple[str, bool]:
+    matched = sum(1 for o in outcomes if o.comparison is not None and o.comparison.matches)
+    failed = sum(1 for o in outcomes if o.comparison is None)
+    diverged = len(outcomes) - matched - failed
+    text = f"{len(outcomes)} request(s): {matched} matched, {diverged} diverged" + (f", {failed} could not be replayed" if failed else "")
+    return text, matched == len(outcomes)
+
+
+# ---- the command (its typer signature lives in cli/main.py) --------------------------------------
+
+HELP = """Replay recorded requests and report, per request, whether the new output matches the recorded one.
+
+Each request runs again with the same IR: the same prompt token ids and sampling, seed included. A match means the same generated token ids, text and finish reason; otherwise the first divergent token and the text around it are shown. Exits 1 when anything diverged or could not be replayed.
+
+Through Redis (--redis-url, else REDIS_URL, else the local `met serve`'s embedded Redis found through <data_dir>/redis.url) the recorded IR itself is queued again under a fresh id: exact. With --against URL the recorded body is POSTed to that server (streaming, with return_token_ids), which renders the prompt again: this checks the whole HTTP path, but only as exactly as the prompt renders the same.
+
+`--encode-only [--protocol openai|anthropic|responses] [-o OUT]` runs nothing: it writes the recorded deltas as that protocol's SSE bytes. For the protocol a client spoke, they equal the bytes it received (without keep-alive pings): ids and timestamps come from the recorded request id and creation time.
+"""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayOptions:
+    """The flags of `met replay` that choose the target (see HELP)."""
+
+    against: str | None = None
+    redis_url: str | None = None
+    data_dir: str | None = None
+    api_key: str | None = None
+    max_queue: int | None = None
+
+
+def run(file: str, options: ReplayOptions) -> None:
+    """Replay every record in `file`, print the report; typer.Exit(1) unless all matched."""
+    records = load_file(file)
+    if options.against and options.redis_url:
+        raise typer.BadParameter("use either --against or --redis-url, not both", param_hint="--against")
+    settings = Settings.from_env(os.environ).with_overrides(max_queue=options.max_queue)
+    target = ReplayTarget(
+        redis_url=None if options.against else resolve_redis_url(options.redis_url, options.data_dir),
+        against=options.against,
+        api_key=options.api_key,
+        max_queue=settings.max_queue,
+        timeout=settings.request_timeout + 30,
+    )
+    outcomes = asyncio.run(replay_all(records, target))
+    text, all_matched = summary(outcomes)
+    typer.echo(text)
+    if not all_matched:
+        raise typer.Exit(1)
+
+
+def encode_only(file: str, *, protocol: str | None, output: str | None) -> None:
+    """Write the records' deltas as SSE bytes of `protocol` (default: each record's own) to `output` or stdout."""
+    chosen = PROTOCOLS.get(protocol.lower()) if protocol else None
+    if protocol and chosen is None:
+        raise typer.BadParameter(f"unknown protocol {protocol!r}; use openai, anthropic or responses", param_hint="--protocol")
+    data = b"".join(encode_sse(r.request, r.deltas, chosen or r.request.protocol) for r in load_file(file))
+    if output:
+        Path(output).write_bytes(data)
+    else:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()

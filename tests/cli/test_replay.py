@@ -1,0 +1,81 @@
+"""`met replay` against the live server: recorded requests replay exactly, an edited record diverges, and
+`--encode-only` gives back the bytes a streaming client received."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import orjson
+import pytest
+
+from shared.dumps import generated_token_ids, read_records
+
+from ..conftest import LiveServer
+from .conftest import PROTOCOLS, Recorded, body, met, send
+
+pytestmark = pytest.mark.e2e
+
+ENCODE_NAMES = {"openai_chat": "openai", "anthropic_messages": "anthropic", "openai_responses": "responses"}
+
+
+def test_all_twenty_recorded_requests_replay_through_redis_with_the_same_output(recorded: Recorded, live_server: LiveServer) -> None:
+    result = met("replay", str(recorded.jsonl), "--redis-url", live_server.redis_url)
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-1] == "20 request(s): 20 matched, 0 diverged"
+    for request_id in recorded.ids:
+        assert re.search(rf"^{request_id}\s+\S+\s+match\s", result.output, re.MULTILINE), result.output
+
+
+def test_the_greedy_requests_replay_over_http_too(recorded: Recorded, live_server: LiveServer, tmp_path: Path) -> None:
+    lines = recorded.jsonl.read_bytes().splitlines()
+    subset = tmp_path / "some.jsonl"
+    subset.write_bytes(b"\n".join(lines[:3]) + b"\n")  # one request per protocol
+    result = met("replay", str(subset), "--against", live_server.base_url)
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-1] == "3 request(s): 3 matched, 0 diverged"
+
+
+def test_an_edited_record_is_reported_with_its_first_divergent_token(recorded: Recorded, live_server: LiveServer, tmp_path: Path) -> None:
+    doc = orjson.loads(recorded.jsonl.read_bytes().splitlines()[0])
+    record = read_records([orjson.dumps(doc)])[0]
+    content_indices = [i for i, d in enumerate(doc["deltas"]) if d["t"] == "content" and d["token_ids"]]
+    target = content_indices[1]  # the second delta with tokens: the divergence is past the first
+    expected_index = len(generated_token_ids(record.deltas[:target]))
+    original_token = doc["deltas"][target]["token_ids"][0]
+    doc["deltas"][target]["token_ids"][0] = 7  # another token
+    doc["deltas"][target]["text"] = " EDITED"
+    edited = tmp_path / "edited.jsonl"
+    edited.write_bytes(orjson.dumps(doc) + b"\n" + recorded.jsonl.read_bytes().splitlines()[1] + b"\n")
+    result = met("replay", str(edited), "--redis-url", live_server.redis_url)
+    assert result.exit_code == 1, result.output
+    assert re.search(rf"^{doc['id']}\s+\S+\s+DIVERGED", result.output, re.MULTILINE), result.output
+    assert f"first divergent token: #{expected_index} (token 7 recorded, token {original_token} now)" in result.output
+    recorded_line, now_line = (line.strip() for line in result.output.splitlines() if line.strip().startswith(("recorded:", "now:")))
+    assert "EDITED" in recorded_line and "EDITED" not in now_line
+    assert result.output.splitlines()[-1] == "2 request(s): 1 matched, 1 diverged"
+
+
+def strip_pings(raw: bytes) -> bytes:
+    """Drop keep-alives (`event: ping` frames, `: ping` comments): they are timing, not content."""
+    blocks = [b for b in raw.split(b"\n\n") if b]
+    kept = [b for b in blocks if not b.startswith(b"event: ping\n") and b != b": ping"]
+    return b"".join(b + b"\n\n" for b in kept)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_encode_only_reproduces_the_bytes_a_streaming_client_received(protocol: str, live_server: LiveServer, tmp_path: Path) -> None:
+    payload = body(protocol, "Tell me about Paris.", stream=True, seed=5 if protocol != "anthropic_messages" else None)
+    request_id, received = send(live_server, protocol, payload)
+    exported, encoded = tmp_path / "one.jsonl", tmp_path / "one.sse"
+    assert met("dump", "export", request_id, "-o", str(exported), "--redis-url", live_server.redis_url).exit_code == 0
+    result = met("replay", "--encode-only", "--protocol", ENCODE_NAMES[protocol], str(exported), "-o", str(encoded))
+    assert result.exit_code == 0, result.output
+    assert encoded.read_bytes() == strip_pings(received)
+
+
+def test_encode_only_re_encodes_into_another_protocol(recorded: Recorded, tmp_path: Path) -> None:
+    out = tmp_path / "as_anthropic.sse"
+    assert met("replay", "--encode-only", "--protocol", "anthropic", str(recorded.jsonl), "-o", str(out)).exit_code == 0
+    events = re.findall(rb"^event: (\S+)$", out.read_bytes(), re.MULTILINE)
+    assert events.count(b"message_start") == events.count(b"message_stop") == len(recorded.ids)
