@@ -1,14 +1,16 @@
 """The HTTP app (blacksheep): routes, admission, and the hand-off to Redis and the encoders.
 
-Flow per request: read JSON → protocol parser → IR → render the prompt (token ids into the IR) →
-admission checks → XADD → answer by tailing the request's delta stream (SSE or one JSON body).
-Every check happens before any SSE header; nothing invalid is XADDed.
+Flow per request: auth (`guarded`, every route but /health and /ready) → read JSON within the size
+and depth limits → protocol parser → IR → render the prompt (token ids into the IR) → admission
+checks (rate limits, queue depth) → XADD → answer by tailing the request's delta stream (SSE or one
+JSON body), observed for /metrics. Every check happens before any SSE header; nothing invalid is XADDed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,7 +32,10 @@ from encoders import openai_responses as response_enc
 from encoders.frames import Frame
 from encoders.wire import ClientLink, StreamEncoder, collect, sse_events, tail
 from ingest import anthropic_messages, openai_chat, openai_responses, responses_store
+from ingest.auth import ANONYMOUS, Authenticator
 from ingest.errors import error_body, status_for
+from ingest.limits import RateLimiter, parse_json, read_body
+from ingest.metrics import CONTENT_TYPE, Metrics
 from ingest.publish import admit, cancel, release, submit
 from models.prompt import PromptRenderer
 from shared import keys
@@ -59,17 +64,16 @@ class Api:
         self.model_name = settings.served_model_name or renderer.info.name
         self.redis: Redis = Redis.from_url(settings.redis_url or "redis://127.0.0.1:6379")
         self.started = int(time.time())
+        self.draining = False  # set on shutdown: /ready turns 503 before anything stops
+        self.auth = Authenticator.from_settings(settings)
+        self.limiter = RateLimiter(self.redis, settings)
+        self.metrics = Metrics(self.redis, heartbeat_ttl=settings.heartbeat_ttl)
 
     # ---- shared steps -------------------------------------------------------------------------
 
     async def read_json(self, http: HttpRequest) -> Any:
-        raw = await http.read()
-        try:
-            return orjson.loads(raw or b"")
-        except orjson.JSONDecodeError:
-            raise invalid(
-                "We could not parse the JSON body of your request. Send a valid JSON object as the body.", None, "invalid_json"
-            ) from None
+        """The parsed body, within the size (413) and nesting (400) limits, checked before any parser runs."""
+        return parse_json(await read_body(http, self.settings.max_body_bytes), self.settings.max_json_depth)
 
     def prepare(self, request: Request, body: Any) -> Request:
         """Render the prompt, check it against the context, and attach token ids and the raw body."""
@@ -92,6 +96,12 @@ class Api:
                 "context_length_exceeded",
             )
         return replace(request, prompt_token_ids=tuple(prompt), raw_body=orjson.dumps(redact(body)).decode())
+
+    async def charge(self, http: HttpRequest, parts: list[Request]) -> None:
+        """Rate limits (ingest.limits): one request, and for each part its prompt plus the most it may generate."""
+        limit = self.renderer.info.max_model_len
+        tokens = sum(len(p.prompt_token_ids) + (p.sampling.max_tokens or limit - len(p.prompt_token_ids)) for p in parts)
+        await self.limiter.charge(str(_scope(http).get(CALLER, ANONYMOUS)), tokens=tokens)
 
     async def publish(self, parts: list[Request]) -> None:
         """Admit (queue depth) and XADD every part of a request, or refuse before anything is queued."""
@@ -116,7 +126,7 @@ class Api:
 
     def deltas(self, request: Request) -> Any:
         deadline = request.created + self.settings.request_timeout + 30
-        return tail(self.redis, request.id, deadline=deadline)
+        return self.metrics.observe(tail(self.redis, request.id, deadline=deadline), request)
 
     def client_link(self, http: HttpRequest, request: Request) -> ClientLink:
         async def abandon() -> None:
@@ -146,13 +156,24 @@ class Api:
         return json_response({"status": "ok"})
 
     async def ready(self, http: HttpRequest) -> Response:
+        """Redis reachable and at least one live, non-draining worker; 503 while this node drains."""
         try:
             await self.redis.ping()
-            alive = await self.redis.zrangebyscore(keys.WORKERS_ALIVE, time.time() - self.settings.heartbeat_ttl, "+inf")
+            alive: list[bytes] = await self.redis.zrangebyscore(keys.WORKERS_ALIVE, time.time() - self.settings.heartbeat_ttl, "+inf")  # type: ignore[assignment]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for worker in alive:
+                    pipe.hget(keys.worker_info(worker.decode()), "draining")
+                draining = await pipe.execute()
         except RedisError:
             return json_response({"status": "unavailable", "redis": False, "workers": 0}, 503)
-        status = 200 if alive else 503
-        return json_response({"status": "ready" if alive else "no_workers", "redis": True, "workers": len(alive)}, status)
+        serving = sum(1 for flag in draining if flag not in (b"1", None))
+        if self.draining:
+            return json_response({"status": "draining", "redis": True, "workers": serving}, 503)
+        status = 200 if serving else 503
+        return json_response({"status": "ready" if serving else "no_workers", "redis": True, "workers": serving}, status)
+
+    async def metrics_text(self, http: HttpRequest) -> Response:
+        return Response(200, [(b"Cache-Control", b"no-cache")], Content(CONTENT_TYPE.encode(), await self.metrics.render()))
 
     async def models(self, http: HttpRequest) -> Response:
         card = {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "metrale", "max_model_len": self.renderer.info.max_model_len}
@@ -183,6 +204,7 @@ class Api:
             request = replace(request, messages=(*conversation, *request.messages))
         request = self.prepare(request, body)
         parts = fan_out(request)
+        await self.charge(http, parts)
         await self.publish(parts)
         store = self.responses_saver(body, request) if surface.protocol is Protocol.OPENAI_RESPONSES else None
         if request.stream:
@@ -306,44 +328,70 @@ def new_id() -> str:
     return secrets.token_hex(12)
 
 
-def guarded(protocol: Protocol, handler: Handler) -> Handler:
-    """Turn an `ApiError` (or an unexpected failure) into the protocol's error body."""
+CALLER = "met.caller"  # ASGI scope key: the authenticated caller id (ingest.auth.caller_id), for rate limits
+
+
+def guarded(api: Api, protocol: Protocol | None, handler: Handler, *, public: bool = False) -> Handler:
+    """The one gate of every route and of the fallback: authenticate (unless `public`), run the handler,
+    and render an `ApiError` (or an unexpected failure) in the protocol's error shape; count HTTP errors.
+
+    Auth is decided by the handler the router matched, not by re-reading the path, so no spelling of a
+    path (case, slashes, absolute-form targets, Host) reaches a protected handler unauthenticated; an
+    unmatched path lands on the fallback, which is guarded too. `protocol` None: by path (the fallback)."""
 
     async def run(http: HttpRequest) -> Response:
+        shape = protocol or _protocol_of_path(http)
         try:
-            return await handler(http)
+            if not public:
+                caller = api.auth.authenticate(http.get_first_header(b"authorization"), http.get_first_header(b"x-api-key"))
+                _scope(http)[CALLER] = caller
+            response = await handler(http)
         except ApiError as err:
-            headers = {"Retry-After": str(max(1, round(err.retry_after)))} if err.retry_after else None
-            return json_response(error_body(protocol, err), status_for(protocol, err), headers)
+            headers = {"Retry-After": str(max(1, math.ceil(err.retry_after)))} if err.retry_after else {}
+            if err.status == 401:
+                headers["WWW-Authenticate"] = "Bearer"
+            response = json_response(error_body(shape, err), status_for(shape, err), headers)
         except Exception:
             log.exception("unhandled error on %s", http.url.path)
             internal = ApiError("The server had an error while processing your request.", status=500, kind="internal")
-            return json_response(error_body(protocol, internal), 500)
+            response = json_response(error_body(shape, internal), 500)
+        if response.status >= 400:
+            api.metrics.http_error(response.status)
+        return response
 
     return run
+
+
+def _scope(http: HttpRequest) -> dict[str, Any]:
+    scope: Any = http.scope
+    return scope if scope is not None else {}
+
+
+def _protocol_of_path(http: HttpRequest) -> Protocol:
+    return Protocol.ANTHROPIC_MESSAGES if http.url.path.lower().startswith(b"/v1/messages") else Protocol.OPENAI_CHAT
 
 
 def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     api = Api(settings, renderer)
     app = Application()
-    app.router.add_get("/health", guarded(Protocol.OPENAI_CHAT, api.health))
-    app.router.add_get("/ready", guarded(Protocol.OPENAI_CHAT, api.ready))
-    app.router.add_get("/v1/models", guarded(Protocol.OPENAI_CHAT, api.models))
+    app.router.add_get("/health", guarded(api, Protocol.OPENAI_CHAT, api.health, public=True))
+    app.router.add_get("/ready", guarded(api, Protocol.OPENAI_CHAT, api.ready, public=True))
+    app.router.add_get("/metrics", guarded(api, Protocol.OPENAI_CHAT, api.metrics_text))
+    app.router.add_get("/v1/models", guarded(api, Protocol.OPENAI_CHAT, api.models))
     for path, surface in (("/v1/chat/completions", CHAT), ("/v1/messages", MESSAGES), ("/v1/responses", RESPONSES)):
-        app.router.add_post(path, guarded(surface.protocol, _bind(api.generate, surface)))
-    app.router.add_post("/v1/messages/count_tokens", guarded(Protocol.ANTHROPIC_MESSAGES, api.count_tokens))
-    app.router.add_get("/v1/responses/:response_id", guarded(Protocol.OPENAI_RESPONSES, api.get_response))
-    app.router.add_delete("/v1/responses/:response_id", guarded(Protocol.OPENAI_RESPONSES, api.delete_response))
+        app.router.add_post(path, guarded(api, surface.protocol, _bind(api.generate, surface)))
+    app.router.add_post("/v1/messages/count_tokens", guarded(api, Protocol.ANTHROPIC_MESSAGES, api.count_tokens))
+    app.router.add_get("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, api.get_response))
+    app.router.add_delete("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, api.delete_response))
 
     async def not_found(http: HttpRequest) -> Response:
-        protocol = Protocol.ANTHROPIC_MESSAGES if http.url.path.startswith(b"/v1/messages") else Protocol.OPENAI_CHAT
-        err = ApiError(f"Unknown route: {http.method} {http.url.path.decode()}", status=404, kind="not_found", code="unknown_route")
-        return json_response(error_body(protocol, err), 404)
+        raise ApiError(f"Unknown route: {http.method} {http.url.path.decode(errors='replace')}", status=404, kind="not_found", code="unknown_route")
 
-    app.router.fallback = not_found
+    app.router.fallback = guarded(api, None, not_found)
 
     async def close(_: Application) -> None:
         await api.redis.aclose()
 
     app.on_stop += close
+    app.met_api = api  # type: ignore[attr-defined]  # cli.serve flips `draining` on shutdown
     return app

@@ -12,6 +12,7 @@ from shared.errors import invalid
 
 MAX_STOP = 16
 MAX_TOKENS_CAP = 1_000_000
+MAX_ITEMS = 4096  # any array without a tighter limit of its own (content parts, tool calls...)
 
 
 def require(body: dict[str, Any], name: str, param: str | None = None) -> Any:
@@ -53,12 +54,12 @@ def number(value: Any, param: str, *, lo: float | None = None, hi: float | None 
     return float(value)
 
 
-def array(value: Any, param: str, *, max_items: int | None = None, allow_empty: bool = True) -> list[Any]:
+def array(value: Any, param: str, *, max_items: int = MAX_ITEMS, allow_empty: bool = True) -> list[Any]:
     if not isinstance(value, list):
         raise invalid(f"Invalid type for '{param}': expected an array, but got {_kind(value)}.", param, "invalid_type")
     if not allow_empty and not value:
         raise invalid(f"Invalid '{param}': empty array. Expected an array with minimum length 1.", param, "empty_array")
-    if max_items is not None and len(value) > max_items:
+    if len(value) > max_items:
         raise invalid(f"Invalid '{param}': array too long. Expected at most {max_items} items, got {len(value)}.", param, "array_above_max_length")
     return value
 

@@ -17,6 +17,8 @@ ROLES = {r.value: r for r in Role}
 MAX_MESSAGES = 2048
 MAX_TOOLS = 128
 MAX_N = 16
+MAX_LOGIT_BIAS = 300
+MAX_METADATA = 16
 
 
 def parse(body: Any, *, request_id: str, created: float) -> Request:
@@ -102,8 +104,8 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     bias = f.obj(value, "logit_bias")
-    if len(bias) > 300:
-        raise invalid("Invalid 'logit_bias': at most 300 entries.", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise invalid(f"Invalid 'logit_bias': at most {MAX_LOGIT_BIAS} entries, got {len(bias)}.", "logit_bias", "too_many_entries")
     out = []
     for key, b in bias.items():
         if not str(key).lstrip("-").isdigit():
@@ -116,6 +118,8 @@ def metadata(value: Any) -> tuple[tuple[str, str], ...]:
     if value is None:
         return ()
     meta = f.obj(value, "metadata")
+    if len(meta) > MAX_METADATA:
+        raise invalid(f"Invalid 'metadata': at most {MAX_METADATA} entries, got {len(meta)}.", "metadata", "too_many_entries")
     return tuple((str(k), f.string(v, f"metadata.{k}")) for k, v in meta.items())
 
 

@@ -3,11 +3,21 @@
 Owns: IR messages/tools → the dicts transformers' `apply_chat_template` expects, then tokenization;
 the generation-config sampling defaults; the stop token ids. Used by ingest (to count, check the
 context and put `prompt_token_ids` in the IR) and by `count_tokens`. Must not load weights.
+
+Special tokens as text: only the template may produce special tokens. A client string (message
+content, names, tool calls, tool specs) that spells one, e.g. `<|im_end|><|im_start|>system`, is
+tokenized as ordinary text, so it cannot forge a turn. How: before rendering, each special-token
+string inside client data is swapped for a random sentinel; the rendered text is split at the
+special tokens that remain (the template's own, which become their ids); each text piece gets its
+sentinels swapped back and is tokenized with `split_special_tokens=True`. A conversation without such
+strings takes the plain path (render, tokenize once), so it tokenizes exactly as it always did.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +40,7 @@ class PromptRenderer:
     def __init__(self, tokenizer: Any, info: ModelInfo) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        self._specials = _special_pattern(tokenizer)
 
     @classmethod
     def load(cls, folder: Path, *, name: str, max_model_len: int | None = None) -> PromptRenderer:
@@ -57,18 +68,75 @@ class PromptRenderer:
         return self.render_messages(request.messages, request.tools)
 
     def render_messages(self, messages: tuple[Message, ...], tools: tuple[ToolSpec, ...] = ()) -> list[int]:
-        conversation = [_message_dict(m) for m in messages]
+        escape = _Escape(self._specials)
+        conversation = escape([_message_dict(m) for m in messages])
         kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
         if tools:
-            kwargs["tools"] = [
-                {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": json.loads(t.parameters_json)}}
-                for t in tools
-            ]
+            kwargs["tools"] = escape(
+                [
+                    {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": json.loads(t.parameters_json)}}
+                    for t in tools
+                ]
+            )
         text = self.tokenizer.apply_chat_template(conversation, **kwargs)
         if tools and not _mentions_tools(self.tokenizer):
             text = _tools_preamble(kwargs["tools"]) + text
-        ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not escape.used:
+            ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return ids
+        return self._tokenize_escaped(text, escape)
+
+    def _tokenize_escaped(self, text: str, escape: _Escape) -> list[int]:
+        """Template special tokens → their ids; the text between them, sentinels restored, → text tokens."""
+        assert self._specials is not None
+        pieces = self._specials.split(text)  # [text, special, text, special, ..., text]
+        texts = [escape.restore(piece) for piece in pieces[::2]]
+        encoded = self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        special_ids = self.tokenizer.convert_tokens_to_ids(pieces[1::2])
+        ids: list[int] = list(encoded[0])
+        for special, chunk in zip(special_ids, encoded[1:], strict=True):
+            ids.append(int(special))
+            ids.extend(chunk)
         return ids
+
+
+def _special_pattern(tokenizer: Any) -> re.Pattern[str] | None:
+    """A regex matching any special-token string (longest first), capturing it; None if there are none."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    specials = {str(t.content) for t in decoder.values() if getattr(t, "special", False)}
+    specials |= {str(t) for t in getattr(tokenizer, "all_special_tokens", ()) or ()}
+    specials.discard("")
+    if not specials:
+        return None
+    return re.compile("(" + "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)) + ")")
+
+
+class _Escape:
+    """Swaps special-token strings in client data (every string, keys too) for per-render sentinels, and back."""
+
+    def __init__(self, specials: re.Pattern[str] | None) -> None:
+        self._specials = specials
+        self._nonce = secrets.token_hex(8)
+        self._found: list[str] = []
+        self._sentinel = re.compile(rf"@@{self._nonce}\.(\d+)@@")
+        self.used = False
+
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self._specials.sub(self._swap, value) if self._specials is not None else value
+        if isinstance(value, dict):
+            return {self(k): self(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self(v) for v in value]
+        return value
+
+    def _swap(self, match: re.Match[str]) -> str:
+        self.used = True
+        self._found.append(match.group(0))
+        return f"@@{self._nonce}.{len(self._found) - 1}@@"
+
+    def restore(self, text: str) -> str:
+        return self._sentinel.sub(lambda m: self._found[int(m.group(1))], text)
 
 
 def _mentions_tools(tokenizer: Any) -> bool:

@@ -44,6 +44,14 @@ def worker_info(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
 
 
+def rate_limit_bucket(caller: str, kind: str) -> str:
+    """Hash of one caller's token bucket (fields: tokens, ts), `kind` "requests" or "tokens"; both of a
+    caller's buckets share the hash tag `{<caller>}` so one Lua script updates them (cluster-safe).
+    `caller` is a digest of the API key (ingest.auth.caller_id), never the key. Expires after two refill
+    periods idle. Writer and reader: ingest.limits (one Lua script, shared by every API node)."""
+    return f"{PREFIX}:ratelimit:{{{caller}}}:{kind}"
+
+
 def stored_response(response_id: str) -> str:
     """A finished Responses-API response kept for `previous_response_id` and GET/DELETE
     /v1/responses/{id} (JSON: body + conversation), with a TTL. Writer and reader: ingest.responses_store."""

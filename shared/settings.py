@@ -51,6 +51,7 @@ class Settings:
     api_keys_file: str = ""  # one key per line
     rate_limit_rpm: int = 0  # requests per minute per key (0 = unlimited), shared across API nodes
     rate_limit_tpm: int = 0  # tokens per minute per key (0 = unlimited)
+    rate_limit_period: float = 60.0  # seconds in which an empty bucket refills to rpm / tpm (tests shorten it)
     max_body_bytes: int = 32 * 2**20
     max_json_depth: int = 64
     response_ttl: int = 30 * 86400  # seconds a stored Responses-API response is kept (store=true)

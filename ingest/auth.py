@@ -1,0 +1,96 @@
+"""API-key authentication: which keys are configured, and whether a request carries one of them.
+
+Owns: loading keys (`Settings.api_keys`, comma-separated, plus `Settings.api_keys_file`, one per line,
+`#` comments), reading the client's key from `Authorization: Bearer <key>` or `x-api-key: <key>`, and
+the constant-time comparison (sha256 digests compared with `hmac.compare_digest` against every
+configured key, no early exit). A caller is named by `caller_id()` — a short digest of its key, never
+the key — for rate-limit buckets and logs.
+
+With no key configured every route is open: `met serve` on 127.0.0.1 without keys is for local use.
+With any key configured every route but the public ones (/health, /ready) needs one; the app decides
+by the handler the router picked (see `ingest.app.guarded`), never by re-reading the path.
+Must not: log or store a key, or know routes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+from pathlib import Path
+
+from shared.errors import ApiError
+from shared.settings import Settings
+
+ANONYMOUS = "anonymous"  # the caller id when no key is configured (one shared rate-limit bucket)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def caller_id(key: str) -> str:
+    """A stable, non-reversible name for a key (its sha256 prefix): safe in Redis key names and logs."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def load_keys(settings: Settings) -> tuple[str, ...]:
+    """Every configured key: `api_keys` (comma-separated) then `api_keys_file` (one per line)."""
+    keys = [k.strip() for k in settings.api_keys.split(",")]
+    if settings.api_keys_file:
+        for line in Path(settings.api_keys_file).read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                keys.append(line)
+    return tuple(dict.fromkeys(k for k in keys if k))
+
+
+def presented_keys(authorization: bytes | None, x_api_key: bytes | None) -> tuple[str, ...]:
+    """The keys a client sent: `Authorization: Bearer <key>` (scheme case-insensitive) and/or `x-api-key`."""
+    found = []
+    if authorization:
+        scheme, _, value = authorization.decode("latin-1").strip().partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            found.append(value.strip())
+    if x_api_key and x_api_key.strip():
+        found.append(x_api_key.decode("latin-1").strip())
+    return tuple(found)
+
+
+class Authenticator:
+    """Checks presented keys against the configured ones, in time independent of which (if any) matches."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._digests = tuple(_digest(k) for k in keys)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Authenticator:
+        return cls(load_keys(settings))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def matches(self, key: str) -> bool:
+        presented = _digest(key)
+        found = False
+        for digest in self._digests:  # every key, no early exit
+            found |= hmac.compare_digest(presented, digest)
+        return found
+
+    def authenticate(self, authorization: bytes | None, x_api_key: bytes | None) -> str:
+        """The caller id, or an `ApiError` 401. Open (ANONYMOUS) when no key is configured."""
+        if not self.enabled:
+            return ANONYMOUS
+        presented = presented_keys(authorization, x_api_key)
+        if not presented:
+            raise ApiError(
+                "Missing API key. Send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                status=401,
+                kind="authentication",
+                code="missing_api_key",
+            )
+        key = next((k for k in presented if self.matches(k)), None)
+        if key is None:
+            raise ApiError("Invalid API key.", status=401, kind="authentication", code="invalid_api_key")
+        return caller_id(key)

@@ -1,0 +1,187 @@
+"""`GET /metrics`: Prometheus text, names under `met_` in vLLM's style.
+
+Owns: one `CollectorRegistry` per app (never the global default registry), holding
+- what this API node observes from the delta streams it tails (streaming and not): requests by
+  protocol and finish reason, prompt / generation tokens, time to first token, inter-token latency,
+  end-to-end latency, queue time (`claimed_at - received_at` from the request's meta hash), and HTTP
+  errors by status. Several API nodes each expose their own; Prometheus sums them.
+- cluster figures read from Redis at scrape time (`ClusterCollector`): requests running / waiting
+  and KV-cache usage summed over live workers' heartbeat hashes, live worker count, accepted-but-
+  unfinished requests, dead letters. The async read happens in `render()`, just before the
+  synchronous collect, so a scrape always shows Redis as it is now.
+Must not: change what a client receives (observing is pass-through), or hold request payloads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.registry import Collector
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from shared import keys
+from shared.deltas import Error, Finish, StreamDelta, is_terminal
+from shared.ir import Request
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+# vLLM's buckets (seconds).
+_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterFigures:
+    redis_up: bool = False
+    workers: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_used_tokens: int = 0
+    kv_total_tokens: int = 0
+    inflight: int = 0
+    dead_letters: int = 0
+
+
+async def read_cluster(redis: Redis, *, heartbeat_ttl: float) -> ClusterFigures:
+    """Sum the live workers' heartbeat hashes and read the queue figures, in two round trips."""
+    try:
+        alive: list[bytes] = await redis.zrangebyscore(keys.WORKERS_ALIVE, time.time() - heartbeat_ttl, "+inf")  # type: ignore[assignment]
+        async with redis.pipeline(transaction=False) as pipe:
+            for worker in alive:
+                pipe.hmget(keys.worker_info(_text(worker)), ["running", "waiting", "kv_used_tokens", "kv_total_tokens"])
+            pipe.get(keys.INFLIGHT)
+            pipe.xlen(keys.DEAD_LETTER)
+            *hashes, inflight, dead = await pipe.execute()
+    except RedisError as exc:
+        log.warning("metrics: redis unavailable (%s)", type(exc).__name__)
+        return ClusterFigures()
+    sums = [0, 0, 0, 0]
+    live = 0
+    for values in hashes:
+        if all(v is None for v in values):
+            continue  # the hash expired between the two reads
+        live += 1
+        for i, v in enumerate(values):
+            sums[i] += _int(v)
+    return ClusterFigures(
+        redis_up=True,
+        workers=live,
+        running=sums[0],
+        waiting=sums[1],
+        kv_used_tokens=sums[2],
+        kv_total_tokens=sums[3],
+        inflight=max(0, _int(inflight)),
+        dead_letters=int(dead or 0),
+    )
+
+
+class ClusterCollector(Collector):
+    """Gauges from the figures `render()` read from Redis just before collecting."""
+
+    def __init__(self) -> None:
+        self.figures = ClusterFigures()
+
+    def collect(self) -> Iterable[Metric]:
+        f = self.figures
+        yield _gauge("met_redis_up", "1 when Redis answered this scrape.", 1 if f.redis_up else 0)
+        yield _gauge("met_workers", "Live workers (heartbeat within the TTL).", f.workers)
+        yield _gauge("met_num_requests_running", "Requests in workers' running batches, summed over live workers.", f.running)
+        yield _gauge("met_num_requests_waiting", "Requests claimed by workers but waiting for a batch slot, summed over live workers.", f.waiting)
+        usage = f.kv_used_tokens / f.kv_total_tokens if f.kv_total_tokens else 0.0
+        yield _gauge("met_kv_cache_usage_perc", "KV-cache usage over live workers (1 = full): used / total token slots.", usage)
+        yield _gauge("met_num_requests_inflight", "Accepted requests without a terminal event yet, cluster-wide (what admission limits).", f.inflight)
+        yield _gauge("met_dead_letters", "Requests in the dead-letter stream (met:deadletter).", f.dead_letters)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class Metrics:
+    """This app's registry: the API node's own observations plus the cluster collector."""
+
+    def __init__(self, redis: Redis, *, heartbeat_ttl: float) -> None:
+        self.redis = redis
+        self.heartbeat_ttl = heartbeat_ttl
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("met_requests", "Finished requests by protocol and finish reason.", ["protocol", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("met_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("met_generation_tokens", "Generated tokens of finished requests.", registry=r)
+        self.http_errors = Counter("met_http_errors", "HTTP error responses by status.", ["status"], registry=r)
+        self.queue_time = Histogram("met_request_queue_time_seconds", "Time from acceptance to a worker's claim.", registry=r, buckets=_LATENCY)
+        self.ttft = Histogram("met_time_to_first_token_seconds", "Time from acceptance to the first output delta at the API.", registry=r, buckets=_TTFT)
+        self.itl = Histogram("met_inter_token_latency_seconds", "Time between output tokens, as the API receives them.", registry=r, buckets=_ITL)
+        self.e2e = Histogram("met_e2e_request_latency_seconds", "Time from acceptance to the terminal event at the API.", registry=r, buckets=_LATENCY)
+        self.cluster = ClusterCollector()
+        r.register(self.cluster)
+
+    async def render(self) -> bytes:
+        self.cluster.figures = await read_cluster(self.redis, heartbeat_ttl=self.heartbeat_ttl)
+        return generate_latest(self.registry)
+
+    def http_error(self, status: int) -> None:
+        self.http_errors.labels(str(status)).inc()
+
+    async def observe(self, deltas: AsyncIterator[StreamDelta | None], request: Request) -> AsyncIterator[StreamDelta | None]:
+        """Pass `deltas` through unchanged, timing them; a stream left before its terminal event counts as 'abandoned'."""
+        last: float | None = None
+        finished = False
+        try:
+            async for delta in deltas:
+                if delta is not None:
+                    now = time.time()
+                    if is_terminal(delta):
+                        finished = True
+                        await self._finish(request, delta, now)
+                    else:
+                        last = self._token(request, delta, now, last)
+                yield delta
+        finally:
+            if not finished:
+                self.requests.labels(request.protocol.value, "abandoned").inc()
+
+    def _token(self, request: Request, delta: StreamDelta, now: float, last: float | None) -> float:
+        if last is None:
+            self.ttft.observe(max(0.0, now - request.created))
+            return now
+        count = max(1, len(getattr(delta, "token_ids", ())))
+        for _ in range(count):
+            self.itl.observe((now - last) / count)
+        return now
+
+    async def _finish(self, request: Request, delta: StreamDelta, now: float) -> None:
+        reason = delta.reason.value if isinstance(delta, Finish) else "error"
+        self.requests.labels(request.protocol.value, reason).inc()
+        self.e2e.observe(max(0.0, now - request.created))
+        if isinstance(delta, Finish):
+            self.prompt_tokens.inc(delta.usage.prompt_tokens)
+            self.generation_tokens.inc(delta.usage.completion_tokens)
+        if isinstance(delta, Error) and delta.attempt == 0:
+            return  # synthesized by the API (deadline): no worker claimed it
+        try:
+            received, claimed = await self.redis.hmget(keys.request_meta(request.id), ["received_at", "claimed_at"])
+        except RedisError:
+            return
+        if received is not None and claimed is not None:
+            self.queue_time.observe(max(0.0, float(claimed) - float(received)))
+
+
+def _int(value: bytes | str | None) -> int:
+    try:
+        return int(float(value)) if value is not None else 0
+    except ValueError:
+        return 0
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
