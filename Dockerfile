@@ -1,4 +1,5 @@
-# One image for every role: `met api`, `met worker` (and `met serve` for a single box).
+# One image for every role: `met api`, `met worker`, `met top` (and `met serve` for a single box).
+# compose.yaml runs it; .dockerignore keeps the virtualenv and caches out of the build context.
 FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MET_HOST=0.0.0.0
 WORKDIR /app

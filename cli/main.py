@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 from typing import Annotated
 
 import typer
 
+from cli.dump import DataDirOption as DumpDataDir
+from cli.dump import app as dump_app
+from cli.replay import HELP as REPLAY_HELP
 from shared.settings import Settings
 
 app = typer.Typer(
@@ -29,12 +33,32 @@ KvBudget = Annotated[int | None, typer.Option("--kv-budget-mb", help="KV cache m
 MaxModelLen = Annotated[int | None, typer.Option(help="Longest prompt + completion, tokens (capped by the model's context).")]
 MaxQueue = Annotated[int | None, typer.Option(help="Accepted-but-unfinished requests beyond which new ones get 429 / 529.")]
 RequestTimeout = Annotated[float | None, typer.Option(help="Seconds from acceptance until a request ends with a timeout finish.")]
+LeaseS = Annotated[float | None, typer.Option("--lease", help="Seconds a worker may go without renewing a claimed request before another takes it over.")]
+DrainTimeout = Annotated[float | None, typer.Option(help="On SIGTERM, seconds a worker may spend finishing in-flight requests before handing them back.")]
+MaxDeliveries = Annotated[int | None, typer.Option(help="Deliveries after which a request that keeps killing workers goes to the dead letters.")]
+DumpTtl = Annotated[int | None, typer.Option(help="Seconds a finished request's dump (IR, deltas, timings) stays in Redis.")]
 MaxTokensPerStep = Annotated[int | None, typer.Option(help="Prefill + decode tokens one scheduler step may process.")]
 ServedName = Annotated[str | None, typer.Option(help="Model name reported by /v1/models (default: from the model).")]
+ApiKeys = Annotated[
+    list[str] | None,
+    typer.Option("--api-key", help="An API key clients must send (Bearer or x-api-key); repeat for several. No key: every route is open."),
+]
+ApiKeysFile = Annotated[str | None, typer.Option(help="A file of API keys, one per line (# comments).")]
+RateLimitRpm = Annotated[int | None, typer.Option(help="Requests per minute per API key (0: unlimited); shared by every API node.")]
+RateLimitTpm = Annotated[int | None, typer.Option(help="Tokens per minute per API key (prompt + max_tokens, charged at admission; 0: unlimited).")]
+RateLimitPeriod = Annotated[float | None, typer.Option(help="Seconds in which an empty rate-limit bucket refills (60: the limits are per minute).")]
+MaxBodyBytes = Annotated[int | None, typer.Option(help="Largest request body, bytes (larger: 413).")]
+MaxJsonDepth = Annotated[int | None, typer.Option(help="Deepest JSON nesting a request body may have (deeper: 400).")]
+DumpDir = Annotated[
+    str | None,
+    typer.Option(help="Also append every finished request (IR, deltas, timings; secrets redacted) to rotating JSONL files in this folder."),
+]
 
 
 def _settings(**overrides: object) -> Settings:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if isinstance(overrides.get("api_keys"), list):  # --api-key, repeated: Settings holds them comma-separated
+        overrides["api_keys"] = ",".join(overrides["api_keys"]) or None  # type: ignore[arg-type]
     return Settings.from_env(os.environ).with_overrides(**overrides)
 
 
@@ -54,13 +78,28 @@ def serve(
     max_queue: MaxQueue = None,
     max_tokens_per_step: MaxTokensPerStep = None,
     request_timeout: RequestTimeout = None,
+    lease_s: LeaseS = None,
+    drain_timeout: DrainTimeout = None,
+    max_deliveries: MaxDeliveries = None,
+    dump_ttl: DumpTtl = None,
+    dump_dir: DumpDir = None,
     served_model_name: ServedName = None,
+    api_keys: ApiKeys = None,
+    api_keys_file: ApiKeysFile = None,
+    rate_limit_rpm: RateLimitRpm = None,
+    rate_limit_tpm: RateLimitTpm = None,
+    rate_limit_period: RateLimitPeriod = None,
+    max_body_bytes: MaxBodyBytes = None,
+    max_json_depth: MaxJsonDepth = None,
+    no_tui: Annotated[bool, typer.Option("--no-tui", help="On a terminal, log lines instead of the `met top` dashboard.")] = False,
 ) -> None:
     """Run everything: embedded Redis (unless --redis-url), the API and N workers. Ctrl-C stops all."""
-    settings = _settings(**locals())
+    overrides = dict(locals())
+    tui = not overrides.pop("no_tui") and sys.stdin.isatty() and sys.stdout.isatty()
+    settings = _settings(**overrides)
     from cli.serve import serve as run
 
-    run(settings)
+    run(settings, tui=tui)
 
 
 @app.command()
@@ -73,7 +112,16 @@ def api(
     max_model_len: MaxModelLen = None,
     max_queue: MaxQueue = None,
     request_timeout: RequestTimeout = None,
+    dump_ttl: DumpTtl = None,
+    dump_dir: DumpDir = None,
     served_model_name: ServedName = None,
+    api_keys: ApiKeys = None,
+    api_keys_file: ApiKeysFile = None,
+    rate_limit_rpm: RateLimitRpm = None,
+    rate_limit_tpm: RateLimitTpm = None,
+    rate_limit_period: RateLimitPeriod = None,
+    max_body_bytes: MaxBodyBytes = None,
+    max_json_depth: MaxJsonDepth = None,
 ) -> None:
     """Run only the API role against --redis-url (what compose and multi-node setups use)."""
     settings = _settings(**locals())
@@ -96,6 +144,10 @@ def worker(
     max_model_len: MaxModelLen = None,
     max_tokens_per_step: MaxTokensPerStep = None,
     request_timeout: RequestTimeout = None,
+    lease_s: LeaseS = None,
+    drain_timeout: DrainTimeout = None,
+    max_deliveries: MaxDeliveries = None,
+    dump_ttl: DumpTtl = None,
     served_model_name: ServedName = None,
 ) -> None:
     """Run one worker: claim requests from --redis-url, generate, append deltas."""
@@ -105,6 +157,47 @@ def worker(
     if not settings.redis_url:
         raise typer.BadParameter("`met worker` needs --redis-url (or REDIS_URL)", param_hint="--redis-url")
     asyncio.run(run_worker(settings))
+
+
+@app.command()
+def top(
+    redis_url: Annotated[str | None, typer.Option("--redis-url", help="The deployment's Redis (default: REDIS_URL, else the local `met serve`).")] = None,
+    data_dir: DataDir = None,
+    title: Annotated[str, typer.Option(hidden=True, help="Extra header text (`met serve` shows its URL and log file).")] = "",
+) -> None:
+    """A live dashboard (workers, queue, active requests, errors), read from Redis. q quits."""
+    settings = Settings.from_env(os.environ).with_overrides(data_dir=data_dir)  # no log handler: it would draw over the screen
+    from cli.top import run_top
+    from cli.top_snapshot import resolve_redis_url
+
+    url = resolve_redis_url(redis_url, settings)
+    if not url:
+        raise typer.BadParameter(f"no local `met serve` found ({settings.data_dir}/redis.url); pass --redis-url", param_hint="--redis-url")
+    run_top(url, settings=settings, title=title)
+
+
+app.add_typer(dump_app, name="dump")  # list / show / export (cli/dump.py)
+
+
+@app.command(help=REPLAY_HELP)
+def replay(
+    file: Annotated[str, typer.Argument(help="JSONL of dump records (`met dump export`, or a --dump-dir file).", metavar="FILE.jsonl")],
+    against: Annotated[str | None, typer.Option(help="Replay over HTTP against this server (http://127.0.0.1:8000); re-renders the prompt.")] = None,
+    redis_url: Annotated[str | None, typer.Option("--redis-url", help="Replay exactly through this Redis (default: the local `met serve`'s).")] = None,
+    encode_only: Annotated[bool, typer.Option("--encode-only", help="Run nothing: write the recorded deltas as SSE bytes.")] = False,
+    protocol: Annotated[str | None, typer.Option(help="With --encode-only: openai, anthropic or responses (default: each request's own).")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="With --encode-only: the file to write (default: stdout).")] = None,
+    api_key: Annotated[str | None, typer.Option(help="With --against: API key, sent as Bearer token and x-api-key.", envvar="MET_REPLAY_API_KEY")] = None,
+    max_queue: Annotated[int | None, typer.Option(help="Through Redis: the server's queue limit to respect (default: MET_MAX_QUEUE, 256).")] = None,
+    data_dir: DumpDataDir = None,
+) -> None:
+    from cli import replay as replaying
+
+    if encode_only:
+        replaying.encode_only(file, protocol=protocol, output=output)
+        return
+    options = replaying.ReplayOptions(against=against, redis_url=redis_url, data_dir=data_dir, api_key=api_key, max_queue=max_queue)
+    replaying.run(file, options)
 
 
 def main() -> None:

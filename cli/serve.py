@@ -1,6 +1,7 @@
 """`met serve`: one command that runs everything — embedded Redis (unless --redis-url), N worker
 processes, and the API — prints the URL once ready, restarts a worker that dies, and shuts all of
-them down cleanly on Ctrl-C / SIGTERM.
+them down cleanly on Ctrl-C / SIGTERM. On a terminal (unless --no-tui) the `met top` dashboard is its
+screen, run as a child process whose quitting is Ctrl-C (cli/top_serve.py).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +22,9 @@ import uvicorn
 from redis.asyncio import Redis
 
 from cli.embedded_redis import EmbeddedRedis
+from cli.top_serve import Dashboard
 from shared import keys
+from shared.redact import redact_url
 from shared.settings import Settings
 
 log = logging.getLogger("met.serve")
@@ -64,6 +68,12 @@ class _Server(uvicorn.Server):
 
         threading.Thread(target=drain, daemon=True).start()
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        # Handled: uvicorn would re-raise the signal after serving, and a re-raised SIGTERM kills the
+        # process before `serve`'s cleanup runs (the embedded Redis and the dashboard would be orphaned).
+        self._captured_signals.clear()
+
 
 async def run_api(settings: Settings, before_exit: Callable[[], None] | None = None) -> None:
     """Serve the API until Ctrl-C / SIGTERM."""
@@ -74,8 +84,26 @@ async def run_api(settings: Settings, before_exit: Callable[[], None] | None = N
     name, folder = await asyncio.to_thread(local_folder, settings.model, settings.model_cache)
     renderer = await asyncio.to_thread(PromptRenderer.load, folder, name=name, max_model_len=settings.max_model_len)
     app = build_app(settings, renderer)
+    api = app.met_api  # type: ignore[attr-defined]
+    if before_exit is not None:
+        stop_workers = before_exit
+
+        def before_exit() -> None:
+            api.draining = True  # /ready answers 503 first
+            stop_workers()
+
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-    await _Server(config, before_exit).serve()
+    dumps = None
+    if settings.dump_dir:  # --dump-dir: a background task follows met:finished (ingest/dump_writer.py)
+        from ingest.dump_writer import DumpWriterTask
+
+        dumps = DumpWriterTask(settings.redis_url or "", settings.dump_dir)
+        await dumps.start()
+    try:
+        await _Server(config, before_exit).serve()
+    finally:
+        if dumps is not None:
+            await dumps.stop()
 
 
 async def _announce_when_ready(settings: Settings, workers: int) -> None:
@@ -84,7 +112,7 @@ async def _announce_when_ready(settings: Settings, workers: int) -> None:
         while True:
             alive = await redis.zrangebyscore(keys.WORKERS_ALIVE, time.time() - settings.heartbeat_ttl, "+inf")
             if len(alive) >= workers:
-                print(f"Metrale ready: http://{settings.host}:{settings.port}/v1  ({workers} worker(s), redis {settings.redis_url})", flush=True)
+                print(f"Metrale ready: http://{settings.host}:{settings.port}/v1  ({workers} worker(s), redis {redact_url(settings.redis_url or '')})", flush=True)
                 return
             await asyncio.sleep(0.2)
     finally:
@@ -111,7 +139,10 @@ def stop_workers(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) ->
             proc.kill()
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings, *, tui: bool = False) -> None:
+    """Run everything until Ctrl-C / SIGTERM. With `tui` (a terminal, no --no-tui) the `met top`
+    dashboard is the screen and logs go to <data_dir>/serve.log: see cli/top_serve.py; quitting it is
+    Ctrl-C."""
     from models.files import local_folder
 
     os.makedirs(settings.data_dir, exist_ok=True)
@@ -120,13 +151,16 @@ def serve(settings: Settings) -> None:
     if not settings.redis_url:
         embedded = EmbeddedRedis(settings.data_dir)
         settings = replace(settings, redis_url=embedded.start())
+    dashboard = Dashboard(settings, env=settings_env(settings)) if tui else None
+    if dashboard:
+        dashboard.start()  # before the workers, so that they log to the file too
     procs = [spawn_worker(settings) for _ in range(settings.workers)]
 
     stopping = threading.Event()
 
     def before_exit() -> None:
         stopping.set()
-        stop_workers(procs)
+        stop_workers(procs, settings.drain_timeout + 15)
 
     async def main() -> None:
         background = [
@@ -142,8 +176,10 @@ def serve(settings: Settings) -> None:
     try:
         asyncio.run(main())
     finally:
+        if dashboard:
+            dashboard.stop()
         stopping.set()
-        stop_workers(procs)
+        stop_workers(procs, settings.drain_timeout + 15)
         if embedded:
             embedded.stop()
         print("Metrale stopped.", flush=True)

@@ -60,9 +60,27 @@ class WorkerLoop:
     async def run(self, stop: asyncio.Event) -> None:
         await leases.ensure_group(self.redis)
         await self.heartbeat()
-        while not stop.is_set():
-            await self.step_once()
-        await self.drain()
+        keeper = asyncio.create_task(self.keep_alive())
+        try:
+            while not stop.is_set():
+                await self.step_once()
+            await self.drain()
+        finally:
+            keeper.cancel()
+
+    async def keep_alive(self) -> None:
+        """Renew leases and heartbeat on a timer of their own: a long step (a big prefill on a busy
+        machine) runs in a thread, and must not let the leases lapse or the worker look dead."""
+        while True:
+            await asyncio.sleep(min(self.settings.lease_s / 3, self.settings.heartbeat_interval))
+            try:
+                await leases.renew(self.redis, self.worker_id, [h.entry_id for h in self.held.values()])
+                if self._every("heartbeat", self.settings.heartbeat_interval):
+                    await self.heartbeat()
+            except RuntimeError:
+                continue  # the step thread changed the engine's tables mid-read; next beat
+            except Exception:
+                log.exception("lease renewal failed")
 
     async def step_once(self) -> None:
         if not self.draining:
@@ -85,10 +103,6 @@ class WorkerLoop:
         return True
 
     async def periodic(self) -> None:
-        if self._every("heartbeat", self.settings.heartbeat_interval):
-            await self.heartbeat()
-        if self._every("renew", self.settings.lease_s / 3):
-            await leases.renew(self.redis, self.worker_id, [h.entry_id for h in self.held.values()])
         if not self.draining and self._every("reclaim", self.settings.lease_s / 2):
             await self.reclaim()
         if self._every("trim", TRIM_EVERY_S):

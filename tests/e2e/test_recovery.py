@@ -1,5 +1,5 @@
 """Crash recovery with real processes and a real Redis: kill -9 and SIGSTOP of a worker mid-stream,
-a poison request, draining on SIGTERM, and an API node that dies. Two workers, a 2 s lease."""
+a poison request, draining on SIGTERM, and an API node that dies. Two workers, a 3 s lease."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ MAX_TOKENS = 110
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     server = start_server(
-        tmp_path_factory.mktemp("recovery"), "--workers", "2", "--lease", "2", env={"MET_CRASH_ON": POISON}, workers_ready=2
+        tmp_path_factory.mktemp("recovery"), "--workers", "2", "--lease", "3", env={"MET_CRASH_ON": POISON}, workers_ready=2
     )
     yield server
     stop_server(server)

@@ -1,0 +1,185 @@
+"""The `met top` Snapshot builder against a real Redis with hand-written keys (no model, no terminal)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from cli.top_snapshot import ThroughputHistory, cancel, resolve_redis_url, take_request_detail, take_snapshot
+from shared import keys
+from shared.codec import encode_delta, encode_request
+from shared.deltas import Content, Finish, FinishReason, Usage
+from shared.ir import Message, Protocol, Request, Role, TextPart
+from shared.settings import Settings
+
+TTL = 10.0
+
+
+def own_db(redis_server: str) -> str:
+    """A database of its own on the shared test server (other tests use db 0)."""
+    return redis_server.rsplit("/", 1)[0] + "/9"
+
+
+@pytest.fixture
+async def redis(redis_server: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(own_db(redis_server))
+    await client.flushdb()
+    yield client
+    await client.flushdb()
+    await client.aclose()
+
+
+async def add_worker(redis: Redis, worker_id: str, *, heartbeat: float | None, **figures: object) -> None:
+    await redis.zadd(keys.WORKERS_ALIVE, {worker_id: heartbeat or time.time() - 30})
+    if heartbeat is not None:
+        await redis.hset(
+            keys.worker_info(worker_id),
+            mapping={"host": "box", "pid": 42, "model": "m", "device": "cpu", "heartbeat": heartbeat, **figures},
+        )
+
+
+async def test_a_worker_with_a_stale_heartbeat_or_no_hash_is_marked_dead_and_left_out_of_the_totals(redis: Redis) -> None:
+    now = time.time()
+    await add_worker(
+        redis, "w-live", heartbeat=now, running=3, waiting=1, decode_tps=50.5, prefill_tps=200, kv_used_tokens=300, kv_total_tokens=1000
+    )
+    await add_worker(redis, "w-stale", heartbeat=now - 60, running=2, decode_tps=99)
+    await add_worker(redis, "w-gone", heartbeat=None)
+
+    snap = await take_snapshot(redis, heartbeat_ttl=TTL)
+
+    by_id = {w.id: w for w in snap.workers}
+    assert sorted(by_id) == ["w-gone", "w-live", "w-stale"]
+    assert [by_id[w].dead for w in ("w-live", "w-stale", "w-gone")] == [False, True, True]
+    live = by_id["w-live"]
+    assert (live.host, live.pid, live.model, live.device, live.running, live.waiting) == ("box", "42", "m", "cpu", 3, 1)
+    assert (live.kv_used_tokens, live.kv_total_tokens, live.prefill_tps, live.decode_tps) == (300, 1000, 200.0, 50.5)
+    assert live.heartbeat_age is not None and live.heartbeat_age < 5
+    assert by_id["w-gone"].heartbeat_age is not None and by_id["w-gone"].heartbeat_age > 20
+    assert (snap.decode_tps, snap.prefill_tps, snap.running) == (50.5, 200.0, 3)
+
+
+async def test_an_empty_deployment_reads_as_an_empty_snapshot(redis: Redis) -> None:
+    snap = await take_snapshot(redis, heartbeat_ttl=TTL)
+
+    assert (snap.workers, snap.active, snap.errors, snap.dead_letters, snap.dead_letter_total) == ((), (), (), (), 0)
+    assert (snap.queue.inflight, snap.queue.pending, snap.queue.undelivered, snap.queue.oldest_wait) == (0, 0, 0, None)
+
+
+async def submit(redis: Redis, rid: str, *, status: str, received_at: float, **meta: object) -> None:
+    await redis.hset(
+        keys.request_meta(rid), mapping={"status": status, "protocol": "openai_chat", "model": "m", "received_at": received_at, **meta}
+    )
+    await redis.zadd(keys.REQUEST_INDEX, {rid: received_at})
+    await redis.xadd(keys.REQUEST_STREAM, {"id": rid})
+
+
+async def test_the_queue_and_the_active_requests_come_from_the_group_the_index_and_the_delta_streams(redis: Redis) -> None:
+    now = time.time()
+    await add_worker(redis, "w-1", heartbeat=now, running=1)
+    await redis.xgroup_create(keys.REQUEST_STREAM, keys.WORKER_GROUP, id="0", mkstream=True)
+    await submit(redis, "done", status="finished", received_at=now - 9, outcome="stop")
+    await submit(redis, "run", status="running", received_at=now - 5, worker="w-1", first_token_at=now - 2, client="10.0.0.7")
+    await submit(redis, "wait", status="queued", received_at=now - 3)
+    await redis.xreadgroup(keys.WORKER_GROUP, "w-1", {keys.REQUEST_STREAM: ">"}, count=2)
+    await redis.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, (await redis.xrange(keys.REQUEST_STREAM, count=1))[0][0])
+    await redis.set(keys.INFLIGHT, 2)
+    for delta in (Content(text="Hel", token_ids=(1, 2)), Content(text="lo", token_ids=(3,))):
+        await redis.xadd(keys.delta_stream("run"), {"d": encode_delta(delta)})
+
+    snap = await take_snapshot(redis, heartbeat_ttl=TTL)
+
+    assert [(r.id, r.status) for r in snap.active] == [("wait", "queued"), ("run", "running")]
+    run = snap.active[1]
+    assert (run.tokens, run.worker, run.client, run.protocol, run.model) == (3, "w-1", "10.0.0.7", "openai_chat", "m")
+    assert 1.0 < run.tokens_per_s < 2.0  # 3 tokens in the ~2 s since its first token
+    assert 4.5 < run.age < 10
+    q = snap.queue
+    assert (q.inflight, q.pending, q.undelivered, q.consumers) == (2, 1, 1, 1)
+    assert q.oldest_wait is not None and 2.5 < q.oldest_wait < 10
+    assert snap.workers[0].claimed == 1
+
+
+async def test_recent_errors_and_dead_letters_are_listed_newest_first(redis: Redis) -> None:
+    for rid, outcome in (("a", "stop"), ("b", "error:api_error"), ("c", "cancelled"), ("d", "error:overloaded_error")):
+        await redis.xadd(keys.FINISHED, {"id": rid, "outcome": outcome})
+    await redis.xadd(keys.DEAD_LETTER, {"id": "poison", "entry": "1-0", "deliveries": 3, "at": time.time()})
+
+    snap = await take_snapshot(redis, heartbeat_ttl=TTL)
+
+    assert [(p.request_id, p.detail) for p in snap.errors] == [("d", "error:overloaded_error"), ("b", "error:api_error")]
+    assert [(p.kind, p.request_id, p.detail) for p in snap.dead_letters] == [
+        ("dead letter", "poison", "delivered 3 times without finishing")
+    ]
+    assert snap.dead_letter_total == 1
+
+
+async def test_a_request_detail_has_its_prompt_head_its_text_so_far_and_its_timings(redis: Redis) -> None:
+    now = time.time()
+    request = Request(
+        id="r1",
+        protocol=Protocol.OPENAI_CHAT,
+        model="m",
+        messages=(
+            Message(role=Role.SYSTEM, content=(TextPart(text="Be brief."),)),
+            Message(role=Role.USER, content=(TextPart(text="Capital of France?"),)),
+        ),
+    )
+    await redis.set(keys.request_ir("r1"), encode_request(request))
+    await redis.hset(
+        keys.request_meta("r1"),
+        mapping={
+            "status": "finished",
+            "outcome": "stop",
+            "received_at": now - 3,
+            "claimed_at": now - 2.5,
+            "first_token_at": now - 2,
+            "finished_at": now - 1,
+        },
+    )
+    for delta in (
+        Content(text="Paris", token_ids=(7,)),
+        Content(text=".", token_ids=(8,)),
+        Finish(reason=FinishReason.STOP, usage=Usage(completion_tokens=2)),
+    ):
+        await redis.xadd(keys.delta_stream("r1"), {"d": encode_delta(delta)})
+
+    detail = await take_request_detail(redis, "r1")
+
+    assert detail.prompt_head == "system: Be brief.\nuser: Capital of France?"
+    assert detail.text == "Paris.\n[stop]"
+    assert detail.tokens == 2
+    assert not detail.cancel_requested
+    timings = dict(detail.timings)
+    assert timings["queued for"] == pytest.approx(0.5, abs=0.01)
+    assert timings["first token after"] == pytest.approx(1.0, abs=0.01)
+    assert timings["total"] == pytest.approx(2.0, abs=0.01)
+
+
+async def test_cancel_sets_the_flag_a_worker_checks(redis: Redis) -> None:
+    await cancel(redis, "r2")
+
+    assert await redis.get(keys.cancel_flag("r2")) == b"1"
+    assert 0 < await redis.ttl(keys.cancel_flag("r2")) <= 3600
+    assert (await take_request_detail(redis, "r2")).cancel_requested
+
+
+def test_the_redis_url_is_the_flag_then_the_environment_then_the_local_serve(tmp_path: Path) -> None:
+    settings = Settings.from_env({"MET_DATA_DIR": str(tmp_path)})
+    assert resolve_redis_url(None, settings) is None
+    (tmp_path / "redis.url").write_text("redis://127.0.0.1:7777/0\n")
+    assert resolve_redis_url(None, settings) == "redis://127.0.0.1:7777/0"
+    with_env = Settings.from_env({"MET_DATA_DIR": str(tmp_path), "REDIS_URL": "redis://:pw@db:6379/0"})
+    assert resolve_redis_url(None, with_env) == "redis://:pw@db:6379/0"
+    assert resolve_redis_url("redis://other:6379/1", with_env) == "redis://other:6379/1"
+
+
+def test_the_throughput_history_keeps_only_its_window() -> None:
+    history = ThroughputHistory(window_s=10)
+    for t in range(30):
+        history.add(float(t), float(t))
+    assert history.values() == [float(t) for t in range(19, 30)]
