@@ -26,11 +26,12 @@ from redis.asyncio import Redis
 
 from cli.dump import resolve_redis_url
 from cli.replay_http import ReplayHttpError, post_and_read
+from encoders.reencode import encode_sse
 from encoders.wire import tail
 from ingest.publish import admit, submit
 from shared.codec import CodecError
 from shared.deltas import StreamDelta
-from shared.dumps import Comparison, DumpRecord, compare, encode_sse, read_records
+from shared.dumps import Comparison, DumpRecord, compare, read_records
 from shared.ir import Protocol
 from shared.settings import Settings
 

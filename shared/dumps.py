@@ -1,27 +1,22 @@
 """Dump records: one finished (or in-flight) request as data — its IR, its ordered deltas, its meta.
 
 Owns: `DumpRecord` ↔ the JSON-ready dict written to dump files (`{"v": 1, "id", "request", "deltas",
-"meta", "outcome"}`), the typed reading of the `{req:<id>}:meta` hash, `compare()` (did a replay
-produce the recorded output?) and `encode_sse()` (the recorded deltas as any protocol's SSE bytes).
+"meta", "outcome"}`), the typed reading of the `{req:<id>}:meta` hash and `compare()` (did a replay
+produce the recorded output?). Re-encoding a record into SSE lives in `encoders.reencode`.
 Secrets never land in dumps: `record_to_dict` redacts every credential-like field it writes (the raw
 body was already redacted at ingest; redacting again is idempotent and byte-identical when clean).
 Must not: do I/O (Redis reads live in ingest.dump_reader, files in ingest.dump_writer and cli/), or
-know wire field names of deltas and requests (shared.codec does). It imports the stream encoders
-(pure, no I/O) for `encode_sse`; encoders must never import this module.
+know wire field names of deltas and requests (shared.codec does), or import encoders.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from encoders.anthropic_messages import MessagesStreamEncoder
-from encoders.frames import Frame
-from encoders.openai_chat import ChatStreamEncoder
-from encoders.openai_responses import ResponsesStreamEncoder
 from shared import codec
 from shared.deltas import Content, Error, Finish, Reasoning, Refusal, StreamDelta, ToolCallArgs, ToolCallStart, is_terminal
 from shared.ir import Protocol, Request
@@ -230,33 +225,3 @@ def _token_at(ids: Sequence[int], index: int) -> str:
 
 def _quote(text: str, *, left: bool = False, right: bool = False) -> str:
     return ("…" if left else "") + orjson.dumps(text).decode() + ("…" if right else "")
-
-
-# ---- re-encoding -----------------------------------------------------------------------------------
-
-STREAM_ENCODERS: dict[Protocol, Callable[[Request], Any]] = {
-    Protocol.OPENAI_CHAT: ChatStreamEncoder,
-    Protocol.ANTHROPIC_MESSAGES: MessagesStreamEncoder,
-    Protocol.OPENAI_RESPONSES: ResponsesStreamEncoder,
-}
-
-
-def encode_frames(request: Request, deltas: Iterable[StreamDelta], protocol: Protocol) -> list[Frame]:
-    encoder = STREAM_ENCODERS[protocol](replace(request, protocol=protocol))
-    frames: list[Frame] = []
-    for delta in deltas:
-        frames += encoder.feed(delta)
-    return frames + encoder.finish()
-
-
-def encode_sse(request: Request, deltas: Iterable[StreamDelta], protocol: Protocol) -> bytes:
-    """The recorded deltas as `protocol`'s streaming SSE bytes, through that protocol's own stream encoder.
-
-    Only `request.protocol` is switched; everything else (id, `created`, model, include_usage,
-    return_token_ids, raw body echoes) is kept, and every id and timestamp in the output is derived from
-    the recorded request id and `created`. So for the protocol the client spoke (and streamed) the bytes
-    equal what it received, minus keep-alive pings (`event: ping` / `: ping` comments), which are timing,
-    not content. A stream whose terminal event was never recorded ends as each encoder's `finish()`
-    ends a cut stream.
-    """
-    return b"".join(frame.to_sse() for frame in encode_frames(request, deltas, protocol))

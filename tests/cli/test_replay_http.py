@@ -8,7 +8,8 @@ import orjson
 import pytest
 
 from cli.replay_http import endpoint_url, frames_to_deltas, read_sse, replay_body
-from shared.dumps import DumpRecord, compare, encode_sse
+from encoders.reencode import encode_sse
+from shared.dumps import DumpRecord, compare
 from shared.ir import Protocol, SamplingParams
 
 from ..encoders.recorded import SCENARIOS, request

@@ -8,13 +8,13 @@ import orjson
 import pytest
 
 from encoders.anthropic_messages import MessagesStreamEncoder
+from encoders.reencode import encode_sse
 from shared.codec import CodecError
 from shared.deltas import Content, Error, Finish, FinishReason, StreamDelta
 from shared.dumps import (
     DumpRecord,
     compare,
     display_status,
-    encode_sse,
     parse_meta,
     read_records,
     record_from_dict,

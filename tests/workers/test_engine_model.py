@@ -17,7 +17,7 @@ from shared.settings import Settings
 from workers.engine import Engine
 from workers.runner import TorchRunner, load_model
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]  # slow on a loaded 2-core machine
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea.", "What is 2+2? Explain."]
 
@@ -66,12 +66,13 @@ def test_batched_chunked_generation_equals_generate_alone(parts: tuple[PromptRen
 
 @torch.inference_mode()
 def greedy_alone(model: object, prompt: list[int], n: int) -> list[int]:
-    """Reference: transformers' own forward over the whole sequence each step (no cache, batch of one)."""
-    ids = list(prompt)
-    for _ in range(n):
-        logits = model(input_ids=torch.tensor([ids])).logits  # type: ignore[operator]
-        ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt) :]
+    """Reference: transformers' own forward and its own DynamicCache, batch of one, never stopping at EOS."""
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)  # type: ignore[operator]
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(n - 1):
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)  # type: ignore[operator]
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
 
 
 def test_preemption_under_a_tiny_kv_budget_still_gives_every_request_its_exact_greedy_output(parts: tuple[PromptRenderer, object]) -> None:

@@ -1,0 +1,42 @@
+"""Re-encoding: any recorded delta stream as any protocol's SSE bytes (pure; used by `met replay
+--encode-only` and dumps). Lives beside the encoders it dispatches to; `shared/` never imports it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+from encoders.anthropic_messages import MessagesStreamEncoder
+from encoders.frames import Frame
+from encoders.openai_chat import ChatStreamEncoder
+from encoders.openai_responses import ResponsesStreamEncoder
+from shared.deltas import StreamDelta
+from shared.ir import Protocol, Request
+
+STREAM_ENCODERS: dict[Protocol, Callable[[Request], Any]] = {
+    Protocol.OPENAI_CHAT: ChatStreamEncoder,
+    Protocol.ANTHROPIC_MESSAGES: MessagesStreamEncoder,
+    Protocol.OPENAI_RESPONSES: ResponsesStreamEncoder,
+}
+
+
+def encode_frames(request: Request, deltas: Iterable[StreamDelta], protocol: Protocol) -> list[Frame]:
+    encoder = STREAM_ENCODERS[protocol](replace(request, protocol=protocol))
+    frames: list[Frame] = []
+    for delta in deltas:
+        frames += encoder.feed(delta)
+    return frames + encoder.finish()
+
+
+def encode_sse(request: Request, deltas: Iterable[StreamDelta], protocol: Protocol) -> bytes:
+    """The recorded deltas as `protocol`'s streaming SSE bytes, through that protocol's own stream encoder.
+
+    Only `request.protocol` is switched; everything else (id, `created`, model, include_usage,
+    return_token_ids, raw body echoes) is kept, and every id and timestamp in the output is derived from
+    the recorded request id and `created`. So for the protocol the client spoke (and streamed) the bytes
+    equal what it received, minus keep-alive pings (`event: ping` / `: ping` comments), which are timing,
+    not content. A stream whose terminal event was never recorded ends as each encoder's `finish()`
+    ends a cut stream.
+    """
+    return b"".join(frame.to_sse() for frame in encode_frames(request, deltas, protocol))
