@@ -30,12 +30,16 @@ from shared.settings import Settings
 log = logging.getLogger("met.serve")
 
 
+_API_ONLY = frozenset({"MET_API_KEYS", "MET_API_KEYS_FILE"})
+
+
 def settings_env(settings: Settings) -> dict[str, str]:
-    """The environment that hands these settings to a child process (Settings.from_env reads it)."""
-    env = dict(os.environ)
+    """The environment that hands these settings to a child process (Settings.from_env reads it).
+    API keys stay in the API process: workers and the dashboard never need them."""
+    env = {k: v for k, v in os.environ.items() if k not in _API_ONLY}
     for f in fields(settings):
         value = getattr(settings, f.name)
-        if value is not None:
+        if value is not None and f"MET_{f.name.upper()}" not in _API_ONLY:
             env[f"MET_{f.name.upper()}"] = str(value)
     env.setdefault("HF_HUB_OFFLINE", "1")
     return env
