@@ -1,0 +1,143 @@
+"""Turn run records into the table rows, the ratios against the targets, and the printed table.
+
+Definitions (the same for every system):
+- output tokens/s = useful output tokens (each request's own max_tokens, never padding or waste) /
+  wall time of the whole workload (first request issued → last response complete);
+- TTFT = request issued → its first token in the client's hands (static baseline: its batch's start
+  → end of the batch's prefill step);
+- inter-token latency = every gap between successive content chunks (ours) or tokens (baselines),
+  pooled over all requests; p50 / p99 with linear interpolation;
+- peak RSS = largest sampled RSS sum of the system's process tree (ours: `met serve` + API + worker
+  + redis-server; baselines: their own child process: Python, torch, transformers, weights, caches).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from measure import RunRecord, TreeUsage, percentile
+from workloads import Workload
+
+# (workload, reference system, target ratio ours / reference for output tokens/s)
+THROUGHPUT_TARGETS = {"mixed": ("hf-static", 1.5), "uniform": ("hf-static", 0.9), "single": ("hf-static", 0.9)}
+TTFT_OVERHEAD_TARGET_MS = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class SystemResult:
+    workload: str
+    system: str
+    completed: int
+    useful_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    e2e_p50_s: float
+    e2e_p99_s: float
+    peak_rss_mib: float
+    other_load_cores: float  # mean CPU cores used by other processes on the machine meanwhile
+    error: str | None = None
+    notes: tuple[str, ...] = ()
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    value: float
+    target: float
+    higher_is_better: bool
+
+    @property
+    def met(self) -> bool | None:
+        if math.isnan(self.value):
+            return None
+        return self.value >= self.target if self.higher_is_better else self.value <= self.target
+
+    def verdict(self) -> str:
+        return {True: "met", False: "NOT met", None: "n/a"}[self.met]
+
+
+def summarize(workload: Workload, record: RunRecord, usage: TreeUsage) -> SystemResult:
+    timings = record.timings
+    ttfts = [t.ttft_s * 1000 for t in timings]
+    gaps = [g * 1000 for t in timings for g in t.gaps_s]
+    e2es = [t.e2e_s for t in timings]
+    useful = sum(t.output_tokens for t in timings)
+    tps = useful / record.wall_s if record.wall_s > 0 and not record.error else math.nan
+    return SystemResult(
+        workload=workload.spec.name,
+        system=record.system,
+        completed=len(timings),
+        useful_tokens=useful,
+        wall_s=record.wall_s,
+        tokens_per_s=tps,
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p99_ms=percentile(ttfts, 99),
+        itl_p50_ms=percentile(gaps, 50),
+        itl_p99_ms=percentile(gaps, 99),
+        e2e_p50_s=percentile(e2es, 50),
+        e2e_p99_s=percentile(e2es, 99),
+        peak_rss_mib=usage.peak_rss_bytes / 2**20,
+        other_load_cores=usage.other_cpu_cores,
+        error=record.error,
+        notes=record.notes,
+        extra=dict(record.extra),
+    )
+
+
+def checks(workload: str, rows: list[SystemResult]) -> list[Check]:
+    by_system = {r.system: r for r in rows}
+    ours = by_system.get("ours")
+    out: list[Check] = []
+    if ours is None:
+        return out
+    for system, row in by_system.items():
+        if system == "ours":
+            continue
+        ratio = ours.tokens_per_s / row.tokens_per_s if row.tokens_per_s > 0 else math.nan
+        reference, target = THROUGHPUT_TARGETS.get(workload, ("", math.nan))
+        out.append(Check(f"throughput ours/{system}", ratio, target if system == reference else math.nan, True))
+    static = by_system.get("hf-static")
+    if workload == "single" and static is not None and "prefill_ms_median" in static.extra:
+        overhead = ours.ttft_p50_ms - static.extra["prefill_ms_median"]
+        out.append(Check("pipeline TTFT overhead ms (ours TTFT p50 - in-process prefill)", overhead, TTFT_OVERHEAD_TARGET_MS, False))
+    return out
+
+
+_COLUMNS = (
+    ("system", "{:<14}", "system"),
+    ("done", "{:>5}", "completed"),
+    ("tok/s", "{:>8.1f}", "tokens_per_s"),
+    ("wall s", "{:>8.1f}", "wall_s"),
+    ("TTFT p50 ms", "{:>12.1f}", "ttft_p50_ms"),
+    ("TTFT p99 ms", "{:>12.1f}", "ttft_p99_ms"),
+    ("ITL p50 ms", "{:>11.1f}", "itl_p50_ms"),
+    ("ITL p99 ms", "{:>11.1f}", "itl_p99_ms"),
+    ("e2e p50 s", "{:>10.2f}", "e2e_p50_s"),
+    ("peak RSS MiB", "{:>13.0f}", "peak_rss_mib"),
+    ("other load", "{:>11.2f}", "other_load_cores"),
+)
+
+
+def table(rows: list[SystemResult]) -> str:
+    """A markdown table (also readable as plain text)."""
+    head = "| " + " | ".join(name for name, _, _ in _COLUMNS) + " |"
+    rule = "|" + "|".join("---" for _ in _COLUMNS) + "|"
+    lines = [head, rule]
+    for row in rows:
+        values = asdict(row)
+        lines.append("| " + " | ".join(fmt.format(values[key]).strip() for _, fmt, key in _COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def check_lines(found: list[Check]) -> str:
+    lines = []
+    for c in found:
+        target = "" if math.isnan(c.target) else f"  (target {'≥' if c.higher_is_better else '≤'} {c.target:g}: {c.verdict()})"
+        lines.append(f"- {c.name}: {c.value:.2f}{target}")
+    return "\n".join(lines)
