@@ -54,7 +54,7 @@ class Check:
 
     @property
     def met(self) -> bool | None:
-        if math.isnan(self.value):
+        if math.isnan(self.value) or math.isnan(self.target):
             return None
         return self.value >= self.target if self.higher_is_better else self.value <= self.target
 

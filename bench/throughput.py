@@ -137,7 +137,7 @@ def run_system(system: str, workload: Workload, folder: Path, config: BenchConfi
 def provenance(config: BenchConfig) -> dict[str, Any]:
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30, check=False)
-        return done.stdout.strip()
+        return done.stdout.rstrip("\n")  # not strip(): porcelain lines start with a status column
 
     import torch
     import transformers
@@ -145,7 +145,7 @@ def provenance(config: BenchConfig) -> dict[str, Any]:
     threads = config.torch_threads or f"default {torch.get_num_threads()}"
     dirty = [line[3:] for line in git("status", "--porcelain").splitlines() if not line[3:].startswith("bench/")]
     return {
-        "commit": git("rev-parse", "--short", "HEAD"),
+        "commit": git("rev-parse", "--short", "HEAD").strip(),
         "uncommitted_files_outside_bench": dirty,
         "command": " ".join(["python", "bench/throughput.py", *sys.argv[1:]]),
         "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), no GPU used, bf16, torch {torch.__version__} "
