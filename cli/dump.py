@@ -21,6 +21,7 @@ import orjson
 import typer
 from redis.asyncio import Redis
 
+from cli import top_snapshot
 from ingest.dump_reader import Listed, list_requests, load_record
 from shared.dumps import DumpRecord, display_status, generated_text, generated_token_ids, record_to_dict, record_to_line, terminal_label
 from shared.redact import redact_url
@@ -51,12 +52,11 @@ DataDirOption = Annotated[str | None, typer.Option("--data-dir", help="Data dir 
 
 def resolve_redis_url(redis_url: str | None, data_dir: str | None = None) -> str:
     """--redis-url, else the environment's Redis URL, else `<data_dir>/redis.url` of a running `met serve`."""
-    settings = Settings.from_env(os.environ).with_overrides(redis_url=redis_url, data_dir=data_dir)
-    if settings.redis_url:
-        return settings.redis_url
+    settings = Settings.from_env(os.environ).with_overrides(data_dir=data_dir)
+    url = top_snapshot.resolve_redis_url(redis_url, settings)
+    if url:
+        return url
     url_file = Path(settings.data_dir) / "redis.url"
-    if url_file.is_file() and url_file.read_text().strip():
-        return url_file.read_text().strip()
     raise typer.BadParameter(
         f"no Redis to read: pass --redis-url, set REDIS_URL, or start `met serve` (it writes {url_file}).", param_hint="--redis-url"
     )
