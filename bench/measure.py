@@ -50,6 +50,8 @@ class TreeUsage:
     peak_rss_bytes: int
     own_cpu_s: float  # CPU seconds used by the sampled tree
     other_cpu_cores: float  # mean cores busy outside the sampled tree and this bench process
+    cpu_by_role: dict[str, float] = field(default_factory=dict)  # CPU seconds per process role in the tree
+    bench_cpu_s: float = 0.0  # CPU seconds of this bench process (the HTTP clients, for ours)
 
 
 def gaps(times: list[float]) -> tuple[float, ...]:
@@ -74,7 +76,9 @@ class TreeSampler:
         self.pid = pid
         self.max_duration_s = max_duration_s
         self.peak_rss = 0
-        self._cpu: dict[int, float] = {}  # pid -> last seen user+system CPU seconds
+        self._cpu: dict[int, float] = {}  # pid -> user+system CPU seconds used since the sampler started
+        self._cpu_base: dict[int, float] = {}  # pid -> its CPU seconds when first seen (0 if born later)
+        self._roles: dict[int, str] = {}  # pid -> what the process is (worker, api, redis, ...)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
         self._started = 0.0
@@ -85,6 +89,9 @@ class TreeSampler:
         self._started = time.monotonic()
         self._busy_start = _machine_busy_s()
         self._bench_cpu_start = _cpu_s(psutil.Process(os.getpid()))
+        self.sample_once()
+        self._cpu_base.update(self._cpu)  # processes alive now count from here, not from their birth
+        self._cpu = dict.fromkeys(self._cpu, 0.0)
         self._thread.start()
         return self
 
@@ -98,7 +105,11 @@ class TreeSampler:
         if self.pid == os.getpid():
             bench = 0.0  # the tree is this process; counted in `own`
         other = max(0.0, _machine_busy_s() - self._busy_start - own - bench) / elapsed
-        return TreeUsage(peak_rss_bytes=self.peak_rss, own_cpu_s=own, other_cpu_cores=other)
+        roles: dict[str, float] = {}
+        for pid, cpu in self._cpu.items():
+            role = self._roles.get(pid, "other")
+            roles[role] = roles.get(role, 0.0) + cpu
+        return TreeUsage(peak_rss_bytes=self.peak_rss, own_cpu_s=own, other_cpu_cores=other, cpu_by_role=roles, bench_cpu_s=bench)
 
     def _run(self) -> None:
         deadline = self._started + self.max_duration_s
@@ -115,10 +126,21 @@ class TreeSampler:
         for proc in procs:
             try:
                 rss += proc.memory_info().rss
-                self._cpu[proc.pid] = _cpu_s(proc)
+                self._cpu[proc.pid] = _cpu_s(proc) - self._cpu_base.get(proc.pid, 0.0)
+                if proc.pid not in self._roles:
+                    self._roles[proc.pid] = _role(proc)
             except psutil.Error:
                 continue
         self.peak_rss = max(self.peak_rss, rss)
+
+
+def _role(proc: psutil.Process) -> str:
+    """A short name for a process in a sampled tree, from its command line."""
+    line = " ".join(proc.cmdline())
+    for marker, role in (("redis-server", "redis"), ("cli.main worker", "worker"), ("cli.main serve", "api"), ("multiprocessing", "child")):
+        if marker in line:
+            return role
+    return "other"
 
 
 def _cpu_s(proc: psutil.Process) -> float:

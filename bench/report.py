@@ -86,8 +86,16 @@ def summarize(workload: Workload, record: RunRecord, usage: TreeUsage) -> System
         other_load_cores=usage.other_cpu_cores,
         error=record.error,
         notes=record.notes,
-        extra=dict(record.extra),
+        extra={**cpu_figures(usage), **record.extra},  # a run's own (measured-window) CPU figures win
     )
+
+
+def cpu_figures(usage: TreeUsage) -> dict[str, float]:
+    """CPU seconds per process role (and of the bench's own clients) — where the 2 cores went."""
+    figures = {f"cpu_s_{role}": round(seconds, 1) for role, seconds in sorted(usage.cpu_by_role.items())}
+    if usage.bench_cpu_s:
+        figures["cpu_s_bench_clients"] = round(usage.bench_cpu_s, 1)
+    return figures
 
 
 def checks(workload: str, rows: list[SystemResult]) -> list[Check]:

@@ -41,7 +41,7 @@ from hf_static import run_static
 from isolate import run_isolated
 from measure import RunRecord, TreeSampler, TreeUsage, wait_for_quiet
 from ours import REPO_ROOT, ClientConfig, run_workload, running_server, served_model, wait_ready, warm_up
-from report import SystemResult, check_lines, checks, summarize, table
+from report import SystemResult, check_lines, checks, cpu_figures, summarize, table
 from workloads import Workload, build, spec_for
 
 from models.files import local_folder
@@ -121,7 +121,12 @@ def run_ours(workload: Workload, config: BenchConfig) -> tuple[RunRecord, TreeUs
             wait_ready(server)
             client = ClientConfig(server.base_url, served_model(server.base_url), config.timeout_s, config.timeout_s)
             warm_up(client, workload.requests[0].message)
-            record = run_workload(client, workload)
+            window = TreeSampler(server.proc.pid, max_duration_s=config.timeout_s).start()
+            try:
+                record = run_workload(client, workload)
+            finally:
+                window_usage = window.stop()
+            record.extra.update(cpu_figures(window_usage))  # CPU over the measured window only
         except Exception as exc:
             record = RunRecord("ours", 0.0, error=f"{type(exc).__name__}: {exc}")
         finally:
