@@ -6,8 +6,8 @@ by construction. `message_start` comes first and once; blocks are indexed 0, 1, 
 `content_block_start` → deltas → `content_block_stop`, one open at a time (Content and Refusal → text,
 Reasoning → thinking with a `signature_delta` before its stop, a tool call → tool_use with
 `input_json_delta`s); Finish → `message_delta` (stop reason, cumulative usage) then `message_stop`;
-Error → `event: error` and nothing after. Workers emit each tool call's arguments before the next call
-starts; arguments for a call that is no longer the open block are dropped from stream and body alike.
+Error → `event: error` and nothing after. Parallel tool calls whose argument fragments interleave are
+put in order by `encoders.blocks` (one block open at a time; nothing dropped, later blocks held).
 `usage.input_tokens` is the whole prompt (no cache split is reported).
 Must not: do I/O, or expose token ids unless the request asked (`return_token_ids`, an extension).
 """
@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from encoders.blocks import TOOL, BlockSequencer, Op
 from encoders.frames import Frame, json_frame
 from shared.deltas import Content, Error, Finish, FinishReason, Reasoning, Refusal, StreamDelta, ToolCallArgs, ToolCallStart
 from shared.ir import Request
@@ -56,7 +57,7 @@ class _MessageState:
         self.error: Error | None = None
         self.token_ids: list[int] = []
         self._args: dict[int, list[str]] = {}  # block index → input JSON pieces
-        self._tool_blocks: dict[int, int] = {}  # ToolCallStart.index → block index
+        self._sequencer = BlockSequencer()
         self._open: int | None = None
         self._started = False
         self._pending_ids: list[int] = []  # token ids not yet attached to a streamed payload
@@ -74,23 +75,27 @@ class _MessageState:
         self.token_ids.extend(delta.token_ids)
         self._pending_ids.extend(delta.token_ids)
         events = self._start()
-        if isinstance(delta, Content | Refusal):
-            events += self._append("text", delta.text)
-        elif isinstance(delta, Reasoning):
-            events += self._append("thinking", delta.text)
-        elif isinstance(delta, ToolCallStart):
-            events += self._close()
-            self._tool_blocks[delta.index] = len(self.blocks)
-            events += self._open_block({"type": "tool_use", "id": delta.id, "name": delta.name, "input": {}})
-        elif isinstance(delta, ToolCallArgs):
-            block = self._tool_blocks.get(delta.index)
-            if block is not None and block == self._open and delta.arguments:
-                self._args[block].append(delta.arguments)
-                events.append(self._delta({"type": "input_json_delta", "partial_json": delta.arguments}))
-        elif isinstance(delta, Finish):
+        if isinstance(delta, Finish):
             self.finish = delta
-            events += self._close()
-            events += [self._message_delta(delta), {"type": "message_stop"}]
+            events += self._apply(self._sequencer.finish())
+            return [*events, self._message_delta(delta), {"type": "message_stop"}]
+        if isinstance(delta, Content | Refusal | Reasoning) and not delta.text:
+            return events
+        group = "thinking" if isinstance(delta, Reasoning) else TOOL if isinstance(delta, ToolCallStart | ToolCallArgs) else "text"
+        return events + self._apply(self._sequencer.feed(delta, group))
+
+    def _apply(self, ops: list[Op]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for op in ops:
+            if op.kind == "close":
+                events += self._close()
+                continue
+            if op.kind == "open":
+                if isinstance(op.delta, ToolCallStart):
+                    events += self._open_block({"type": "tool_use", "id": op.delta.id, "name": op.delta.name, "input": {}})
+                    continue
+                events += self._open_block({"type": op.group, op.group: ""} | ({"signature": ""} if op.group == "thinking" else {}))
+            events += self._append(op.group, op.delta)
         return events
 
     def message(self, *, streaming: bool) -> dict[str, Any]:
@@ -122,17 +127,14 @@ class _MessageState:
         self._started = True
         return [{"type": "message_start", "message": self.message(streaming=True)}]
 
-    def _append(self, kind: str, text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
-        events: list[dict[str, Any]] = []
-        if self._open is None or self.blocks[self._open]["type"] != kind:
-            events += self._close()
-            events += self._open_block({"type": kind, kind: ""} | ({"signature": ""} if kind == "thinking" else {}))
+    def _append(self, kind: str, delta: StreamDelta | None) -> list[dict[str, Any]]:
         assert self._open is not None
+        if isinstance(delta, ToolCallArgs):
+            self._args[self._open].append(delta.arguments)
+            return [self._delta({"type": "input_json_delta", "partial_json": delta.arguments})]
+        text = getattr(delta, "text", "")
         self.blocks[self._open][kind] += text
-        events.append(self._delta({"type": f"{kind}_delta", kind: text}))
-        return events
+        return [self._delta({"type": f"{kind}_delta", kind: text})]
 
     def _open_block(self, block: dict[str, Any]) -> list[dict[str, Any]]:
         self._open = len(self.blocks)

@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from encoders.blocks import TOOL, BlockSequencer, Op
 from encoders.frames import Frame, json_frame
 from shared.deltas import (
     Content,
@@ -93,7 +94,7 @@ class _ResponseState:
         self.error: Error | None = None
         self._echo = _echo(request)
         self._open: int | None = None  # output index of the open item
-        self._tool_items: dict[int, int] = {}  # ToolCallStart.index → output index
+        self._sequencer = BlockSequencer()  # one item open at a time, interleaved tool calls in order
         self._started = False
         self._pending_ids: list[int] = []
 
@@ -106,26 +107,42 @@ class _ResponseState:
             return events + self._fail(delta.message, ERROR_CODES.get(delta.kind, "server_error"))
         self.token_ids.extend(delta.token_ids)
         self._pending_ids.extend(delta.token_ids)
-        if isinstance(delta, Content):
-            events += self._text("message", "output_text", delta.text, _logprobs(delta.logprobs))
-        elif isinstance(delta, Refusal):
-            events += self._text("message", "refusal", delta.text)
-        elif isinstance(delta, Reasoning):
-            events += self._text("reasoning", "reasoning_text", delta.text)
-        elif isinstance(delta, ToolCallStart):
-            events += self._close("completed")
-            self._tool_items[delta.index] = len(self.items)
-            events += self._add(
-                {"type": "function_call", "status": "in_progress", "arguments": "", "call_id": delta.id, "name": delta.name}
-            )
-        elif isinstance(delta, ToolCallArgs):
-            index = self._tool_items.get(delta.index)
-            if index is not None and index == self._open and delta.arguments:
+        if isinstance(delta, Finish):
+            status = "completed" if delta.reason.responses_status == "completed" else "incomplete"
+            return events + self._apply(self._sequencer.finish(), last_status=status) + self._complete(delta)
+        if isinstance(delta, Content | Refusal | Reasoning) and not delta.text:
+            return events
+        group = "reasoning" if isinstance(delta, Reasoning) else TOOL if isinstance(delta, ToolCallStart | ToolCallArgs) else "message"
+        return events + self._apply(self._sequencer.feed(delta, group))
+
+    def _apply(self, ops: list[Op], *, last_status: str = "completed") -> list[dict[str, Any]]:
+        """Ops → events; an item closed at the end takes the response's status if it is the last one."""
+        events: list[dict[str, Any]] = []
+        for op in ops:
+            delta = op.delta
+            if op.kind == "close":
+                events += self._close(last_status if op.index == len(self.items) - 1 else "completed")
+            elif isinstance(delta, ToolCallStart):
+                events += self._add({"type": "function_call", "status": "in_progress", "arguments": "", "call_id": delta.id, "name": delta.name})
+            elif isinstance(delta, ToolCallArgs):
+                index = self._open
+                assert index is not None
                 self.items[index]["arguments"] += delta.arguments
                 events.append(self._ids({"type": "response.function_call_arguments.delta", **self._where(index), "delta": delta.arguments}))
-        elif isinstance(delta, Finish):
-            events += self._complete(delta)
+            else:
+                if op.kind == "open":
+                    fields = {"role": "assistant", "content": []} if op.group == "message" else {"summary": [], "content": []}
+                    events += self._add({"type": op.group, "status": "in_progress", **fields})
+                events += self._text_delta(delta)
         return events
+
+    def _text_delta(self, delta: StreamDelta | None) -> list[dict[str, Any]]:
+        if isinstance(delta, Content):
+            return self._text("output_text", delta.text, _logprobs(delta.logprobs))
+        if isinstance(delta, Refusal):
+            return self._text("refusal", delta.text)
+        assert isinstance(delta, Reasoning)
+        return self._text("reasoning_text", delta.text)
 
     def fail_incomplete(self) -> list[dict[str, Any]]:
         """Terminal events for a stream cut before any terminal delta."""
@@ -180,14 +197,8 @@ class _ResponseState:
         snapshot = self.response("in_progress")
         return [{"type": "response.created", "response": snapshot}, {"type": "response.in_progress", "response": copy.deepcopy(snapshot)}]
 
-    def _text(self, item_type: str, part_type: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-        if not text:
-            return []
+    def _text(self, part_type: str, text: str, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        if self._open is None or self.items[self._open]["type"] != item_type:
-            events += self._close("completed")
-            fields = {"role": "assistant", "content": []} if item_type == "message" else {"summary": [], "content": []}
-            events += self._add({"type": item_type, "status": "in_progress", **fields})
         assert self._open is not None
         index = self._open
         parts = self.items[index]["content"]
@@ -247,10 +258,9 @@ class _ResponseState:
     def _complete(self, finish: Finish) -> list[dict[str, Any]]:
         self.finish = finish
         status, reason = finish.reason.responses_status, finish.reason.responses_incomplete_reason
-        events = self._close("completed" if status == "completed" else "incomplete")
         self.terminal = self.response(status, usage=usage_json(finish.usage), incomplete_details={"reason": reason} if reason else None)
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        return [*events, {"type": kind, "response": self.terminal}]
+        return [{"type": kind, "response": self.terminal}]
 
     def _fail(self, message: str, code: str) -> list[dict[str, Any]]:
         events = self._close("incomplete")

@@ -52,6 +52,18 @@ SCENARIOS: dict[str, list[StreamDelta]] = {
         ToolCallArgs(index=1, arguments='{"tz": "CET"}', token_ids=(25,)),
         Finish(reason=FinishReason.TOOL_CALLS, usage=usage(7)),
     ],
+    # Two parallel calls whose argument fragments interleave, then text after the calls started.
+    "interleaved_parallel_calls": [
+        Content(text="Both.", token_ids=(60,)),
+        ToolCallStart(index=0, id="call_a", name="get_weather", token_ids=(61,)),
+        ToolCallArgs(index=0, arguments='{"city": ', token_ids=(62,)),
+        ToolCallStart(index=1, id="call_b", name="get_time", token_ids=(63,)),
+        ToolCallArgs(index=1, arguments='{"tz": ', token_ids=(64,)),
+        ToolCallArgs(index=0, arguments='"Paris"}', token_ids=(65,)),
+        Content(text=" Done.", token_ids=(66,)),
+        ToolCallArgs(index=1, arguments='"CET"}', token_ids=(67,)),
+        Finish(reason=FinishReason.TOOL_CALLS, usage=usage(8)),
+    ],
     "stop_sequence": [
         Content(text="one, two", token_ids=(30, 31)),
         Finish(reason=FinishReason.STOP_SEQUENCE, usage=usage(3), matched_stop="three", token_ids=(32,)),

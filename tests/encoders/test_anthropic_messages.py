@@ -26,6 +26,9 @@ EXPECTED_EVENTS = {
     "plain_text": ["message_start", START, DELTA, DELTA, STOP, "message_delta", "message_stop"],
     "reasoning_then_text": ["message_start", START, DELTA, DELTA, DELTA, STOP, START, DELTA, STOP, "message_delta", "message_stop"],
     "two_tool_calls": ["message_start", START, DELTA, STOP, START, DELTA, DELTA, STOP, START, DELTA, STOP, "message_delta", "message_stop"],
+    "interleaved_parallel_calls": [
+        "message_start", START, DELTA, STOP, START, DELTA, DELTA, STOP, START, DELTA, DELTA, STOP, START, DELTA, STOP, "message_delta", "message_stop",
+    ],
     "stop_sequence": ["message_start", START, DELTA, STOP, "message_delta", "message_stop"],
     "max_tokens": ["message_start", START, DELTA, STOP, "message_delta", "message_stop"],
     "error_mid_stream": ["message_start", START, DELTA, "error"],
@@ -282,3 +285,18 @@ def test_golden_reasoning_then_text_frames() -> None:
         "stop_reason": "end_turn",
         "usage": {"input_tokens": 4, "output_tokens": 6},
     }
+
+
+def test_interleaved_parallel_calls_stream_one_block_at_a_time_and_drop_no_argument() -> None:
+    req = anthropic_request()
+    events = payloads(replay(req, SCENARIOS["interleaved_parallel_calls"]))
+    starts = [e["content_block"] for e in events if e["type"] == START]
+    assert [(b["type"], b.get("name")) for b in starts] == [("text", None), ("tool_use", "get_weather"), ("tool_use", "get_time"), ("text", None)]
+    json_by_block: dict[int, str] = {}
+    for e in events:
+        if e["type"] == DELTA and e["delta"]["type"] == "input_json_delta":
+            json_by_block[e["index"]] = json_by_block.get(e["index"], "") + e["delta"]["partial_json"]
+    assert json_by_block == {1: '{"city": "Paris"}', 2: '{"tz": "CET"}'}
+    content = accumulate(req, SCENARIOS["interleaved_parallel_calls"])["content"]
+    assert [b.get("input") for b in content] == [None, {"city": "Paris"}, {"tz": "CET"}, None]
+    assert [b.get("text") for b in content] == ["Both.", None, None, " Done."]

@@ -119,3 +119,31 @@ def test_non_streaming_body_matches_the_stream(scenario: str) -> None:
 def test_sse_bytes_are_data_lines_with_a_blank_line_after_each() -> None:
     assert Frame('{"a":1}').to_sse() == b'data: {"a":1}\n\n'
     assert Frame('{"type":"ping"}', event="ping").to_sse() == b'event: ping\ndata: {"type":"ping"}\n\n'
+
+
+def test_interleaved_parallel_calls_keep_their_indices_and_every_fragment() -> None:
+    out = payloads(run("interleaved_parallel_calls"))
+    calls = [c for p in out[1:-1] for c in p["choices"][0]["delta"].get("tool_calls", [])]
+    assert calls == [
+        {"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"city": '}},
+        {"index": 1, "id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": ""}},
+        {"index": 1, "function": {"arguments": '{"tz": '}},
+        {"index": 0, "function": {"arguments": '"Paris"}'}},
+        {"index": 1, "function": {"arguments": '"CET"}'}},
+    ]
+    body = chat_completion_body(request(Protocol.OPENAI_CHAT), [_accumulated("interleaved_parallel_calls")])
+    message = body["choices"][0]["message"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        ("get_weather", '{"city": "Paris"}'),
+        ("get_time", '{"tz": "CET"}'),
+    ]
+    assert message["content"] == "Both. Done."
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def _accumulated(scenario: str) -> ChatCompletionAccumulator:
+    acc = ChatCompletionAccumulator(request(Protocol.OPENAI_CHAT))
+    for delta in SCENARIOS[scenario]:
+        acc.feed(delta)
+    return acc

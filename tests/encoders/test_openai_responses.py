@@ -52,6 +52,7 @@ EXPECTED_EVENTS = {
     "plain_text": [*HEAD, *message_item(2), "response.completed"],
     "reasoning_then_text": [*HEAD, *REASONING_ITEM, *message_item(1), "response.completed"],
     "two_tool_calls": [*HEAD, *message_item(1), *call_item(2), *call_item(1), "response.completed"],
+    "interleaved_parallel_calls": [*HEAD, *message_item(1), *call_item(2), *call_item(2), *message_item(1), "response.completed"],
     "stop_sequence": [*HEAD, *message_item(1), "response.completed"],
     "max_tokens": [*HEAD, *message_item(1), "response.incomplete"],
     "error_mid_stream": [*HEAD, *message_item(1), "error", "response.failed"],
@@ -377,3 +378,18 @@ def test_a_tool_call_start_with_no_arguments_still_sends_every_done_event() -> N
     )
     check_stream(frames)
     assert [f.event for f in frames] == [*HEAD, *call_item(0), "response.completed"]
+
+
+def test_interleaved_parallel_calls_become_whole_function_call_items_in_call_order() -> None:
+    req = responses_request()
+    frames = replay(req, SCENARIOS["interleaved_parallel_calls"])
+    check_stream(frames)
+    output = payloads(frames)[-1]["response"]["output"]
+    assert [(i["type"], i.get("name"), i.get("arguments")) for i in output] == [
+        ("message", None, None),
+        ("function_call", "get_weather", '{"city": "Paris"}'),
+        ("function_call", "get_time", '{"tz": "CET"}'),
+        ("message", None, None),
+    ]
+    assert [i["call_id"] for i in output if i["type"] == "function_call"] == ["call_a", "call_b"]
+    assert accumulate(req, SCENARIOS["interleaved_parallel_calls"])["output"] == output
