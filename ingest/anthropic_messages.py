@@ -61,6 +61,13 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
     )
 
 
+
+def parse_count_tokens(body: Any, *, request_id: str, created: float) -> Request:
+    """`/v1/messages/count_tokens`: the Messages body without `max_tokens` (which it does not take)."""
+    if isinstance(body, dict) and body.get("max_tokens") is None:
+        body = {**body, "max_tokens": 1}
+    return parse(body, request_id=request_id, created=created)
+
 def _system(value: Any) -> list[Message]:
     if value is None:
         return []

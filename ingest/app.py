@@ -15,6 +15,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 from typing import Protocol as Protocol_
 
@@ -33,15 +34,16 @@ from encoders.frames import Frame
 from encoders.wire import ClientLink, StreamEncoder, collect, sse_events, tail
 from ingest import anthropic_messages, openai_chat, openai_responses, responses_store
 from ingest.auth import ANONYMOUS, Authenticator
-from ingest.errors import error_body, status_for
+from ingest.errors import error_body, failure, status_for
 from ingest.limits import RateLimiter, parse_json, read_body
 from ingest.metrics import CONTENT_TYPE, Metrics
 from ingest.publish import admit, cancel, release, submit
+from ingest.responses_store import Saver
 from models.prompt import PromptRenderer
 from shared import keys
 from shared.deltas import Error, StreamDelta, is_terminal
 from shared.errors import ApiError, invalid
-from shared.ir import ImagePart, Message, Protocol, Request
+from shared.ir import ImagePart, Protocol, Request
 from shared.redact import redact
 from shared.settings import Settings
 
@@ -180,10 +182,7 @@ class Api:
         return json_response({"object": "list", "data": [card]})
 
     async def count_tokens(self, http: HttpRequest) -> Response:
-        body = await self.read_json(http)
-        if isinstance(body, dict) and body.get("max_tokens") is None:
-            body = {**body, "max_tokens": 1}  # count_tokens takes no max_tokens; the parser requires one
-        request = anthropic_messages.parse(body, request_id=new_id(), created=time.time())
+        request = anthropic_messages.parse_count_tokens(await self.read_json(http), request_id=new_id(), created=time.time())
         return json_response({"input_tokens": len(self.renderer.render(request))})
 
     async def get_response(self, http: HttpRequest) -> Response:
@@ -196,20 +195,16 @@ class Api:
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def generate(self, http: HttpRequest, surface: Surface) -> Response:
-        """The one flow every protocol shares: parse → continue → prepare → publish → answer."""
+        """The one flow every protocol shares: parse → session (the protocol's own state) → prepare → publish → answer."""
         body = await self.read_json(http)
-        request = surface.parse(body, request_id=new_id(), created=time.time())
-        conversation = await self.previous_conversation(body) if surface.protocol is Protocol.OPENAI_RESPONSES else []
-        if conversation:
-            request = replace(request, messages=(*conversation, *request.messages))
+        request, store = await surface.session(self.redis, self.settings, body, surface.parse(body, request_id=new_id(), created=time.time()))
         request = self.prepare(request, body)
         parts = fan_out(request)
         await self.charge(http, parts)
         await self.publish(parts)
-        store = self.responses_saver(body, request) if surface.protocol is Protocol.OPENAI_RESPONSES else None
         if request.stream:
             encoder = surface.stream_encoder(request)
-            deltas = self.deltas(request) if store is None else _recording(self.deltas(request), store)
+            deltas = self.deltas(request) if store is None else _recording(self.deltas(request), partial(store, request))
             return self.stream(http, request, encoder, ping=surface.ping(encoder), deltas=deltas)
         collected = await asyncio.gather(*(self.collect(http, part) for part in parts))
         accs = []
@@ -218,36 +213,11 @@ class Api:
             for delta in deltas_of_part:
                 acc.feed(delta)
             if acc.error is not None:
-                overloaded = acc.error.kind.value == "overloaded_error"
-                raise ApiError(acc.error.message, status=503 if overloaded else 500, kind="overloaded" if overloaded else "internal")
+                raise failure(acc.error)
             accs.append(acc)
         if store is not None:
-            await store(collected[0])
+            await store(request, collected[0])
         return json_response(surface.combine(request, accs))
-
-    async def previous_conversation(self, body: Any) -> list[Message]:
-        previous = openai_responses.previous_response_id(body) if isinstance(body, dict) else None
-        if previous is None:
-            return []
-        _, conversation = await responses_store.load(self.redis, previous, param="previous_response_id")
-        return conversation
-
-    def responses_saver(self, body: Any, request: Request) -> Callable[[list[StreamDelta]], Awaitable[None]] | None:
-        if not openai_responses.store_flag(body):
-            return None
-        own = request.messages[1:] if body.get("instructions") is not None else request.messages
-
-        async def save(deltas: list[StreamDelta]) -> None:
-            acc = response_enc.ResponseAccumulator(request)
-            for delta in deltas:
-                acc.feed(delta)
-            if acc.error is None:
-                conversation = [*own, responses_store.assistant_turn(deltas)]
-                await responses_store.save(
-                    self.redis, response_enc.response_id(request), body=acc.body(), conversation=conversation, ttl=self.settings.response_ttl
-                )
-
-        return save
 
 
 async def _recording(
@@ -271,33 +241,55 @@ class Accumulator(Protocol_):
     def body(self) -> dict[str, Any]: ...
 
 
-@dataclass(frozen=True, slots=True)
-class Surface:
-    """What differs between protocols on the generation routes: parser, encoders, keep-alive."""
-
-    protocol: Protocol
-    parse: Callable[..., Request]
-    stream_encoder: Callable[[Request], Any]
-    accumulator: Callable[[Request], Accumulator]
-    ping: Callable[[Any], Callable[[], list[Frame]]]
-    combine: Callable[[Request, list[Any]], dict[str, Any]] = lambda _request, accs: accs[0].body()
+async def _no_session(_redis: Redis, _settings: Settings, _body: Any, request: Request) -> tuple[Request, Saver | None]:
+    return request, None
 
 
 def _no_ping(_: Any) -> Callable[[], list[Frame]]:
     return lambda: []
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Surface:
+    """Everything that differs between protocols on the generation routes: the path, the parser, the
+    encoders, keep-alive, how n choices combine, and the protocol's own state around a generation
+    (`session`: e.g. Responses' stored conversations). A protocol is its parser, its encoder and its row here."""
+
+    protocol: Protocol
+    path: str
+    parse: Callable[..., Request]
+    stream_encoder: Callable[[Request], Any]
+    accumulator: Callable[[Request], Accumulator]
+    ping: Callable[[Any], Callable[[], list[Frame]]] = _no_ping
+    combine: Callable[[Request, list[Any]], dict[str, Any]] = lambda _request, accs: accs[0].body()
+    session: Callable[[Redis, Settings, Any, Request], Awaitable[tuple[Request, Saver | None]]] = _no_session
+
+
 CHAT = Surface(
-    Protocol.OPENAI_CHAT, openai_chat.parse, chat_enc.ChatStreamEncoder, chat_enc.ChatCompletionAccumulator, _no_ping, chat_enc.chat_completion_body
+    protocol=Protocol.OPENAI_CHAT,
+    path="/v1/chat/completions",
+    parse=openai_chat.parse,
+    stream_encoder=chat_enc.ChatStreamEncoder,
+    accumulator=chat_enc.ChatCompletionAccumulator,
+    combine=chat_enc.chat_completion_body,
 )
 MESSAGES = Surface(
-    Protocol.ANTHROPIC_MESSAGES,
-    anthropic_messages.parse,
-    messages_enc.MessagesStreamEncoder,
-    messages_enc.MessageAccumulator,
-    lambda encoder: lambda: [encoder.ping()],
+    protocol=Protocol.ANTHROPIC_MESSAGES,
+    path="/v1/messages",
+    parse=anthropic_messages.parse,
+    stream_encoder=messages_enc.MessagesStreamEncoder,
+    accumulator=messages_enc.MessageAccumulator,
+    ping=lambda encoder: lambda: [encoder.ping()],
 )
-RESPONSES = Surface(Protocol.OPENAI_RESPONSES, openai_responses.parse, response_enc.ResponsesStreamEncoder, response_enc.ResponseAccumulator, _no_ping)
+RESPONSES = Surface(
+    protocol=Protocol.OPENAI_RESPONSES,
+    path="/v1/responses",
+    parse=openai_responses.parse,
+    stream_encoder=response_enc.ResponsesStreamEncoder,
+    accumulator=response_enc.ResponseAccumulator,
+    session=responses_store.begin,
+)
+SURFACES = (CHAT, MESSAGES, RESPONSES)
 
 
 def _bind(handler: Callable[[HttpRequest, Surface], Awaitable[Response]], surface: Surface) -> Handler:
@@ -368,7 +360,9 @@ def _scope(http: HttpRequest) -> dict[str, Any]:
 
 
 def _protocol_of_path(http: HttpRequest) -> Protocol:
-    return Protocol.ANTHROPIC_MESSAGES if http.url.path.lower().startswith(b"/v1/messages") else Protocol.OPENAI_CHAT
+    """The error shape for an unmatched path: the protocol whose routes it falls under (OpenAI's otherwise)."""
+    path = http.url.path.decode(errors="replace").lower()
+    return next((s.protocol for s in SURFACES if path.startswith(s.path)), Protocol.OPENAI_CHAT)
 
 
 def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
@@ -378,8 +372,8 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     app.router.add_get("/ready", guarded(api, Protocol.OPENAI_CHAT, api.ready, public=True))
     app.router.add_get("/metrics", guarded(api, Protocol.OPENAI_CHAT, api.metrics_text))
     app.router.add_get("/v1/models", guarded(api, Protocol.OPENAI_CHAT, api.models))
-    for path, surface in (("/v1/chat/completions", CHAT), ("/v1/messages", MESSAGES), ("/v1/responses", RESPONSES)):
-        app.router.add_post(path, guarded(api, surface.protocol, _bind(api.generate, surface)))
+    for surface in SURFACES:
+        app.router.add_post(surface.path, guarded(api, surface.protocol, _bind(api.generate, surface)))
     app.router.add_post("/v1/messages/count_tokens", guarded(api, Protocol.ANTHROPIC_MESSAGES, api.count_tokens))
     app.router.add_get("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, api.get_response))
     app.router.add_delete("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, api.delete_response))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.deltas import Error, ErrorKind
 from shared.errors import ApiError
 from shared.ir import Protocol
 
@@ -46,3 +47,11 @@ def status_for(protocol: Protocol, err: ApiError) -> int:
     if protocol is Protocol.ANTHROPIC_MESSAGES and err.kind == "overloaded":
         return 529
     return err.status
+
+
+def failure(error: Error) -> ApiError:
+    """A non-streaming request whose generation ended in an Error delta: 503 when the server was
+    overloaded (the client may retry), 500 otherwise."""
+    if error.kind is ErrorKind.OVERLOADED:
+        return ApiError(error.message, status=503, kind="overloaded")
+    return ApiError(error.message, status=500, kind="internal")

@@ -7,16 +7,23 @@ carry over) plus the assistant turn the deltas produced.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import orjson
 from redis.asyncio import Redis
 
+from encoders.openai_responses import ResponseAccumulator, response_id
+from ingest.openai_responses import previous_response_id, store_flag
 from shared import keys
 from shared.codec import VERSION, message_from_dict, message_to_dict
 from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart
 from shared.errors import ApiError
-from shared.ir import Message, Role, TextPart, ToolCall
+from shared.ir import Message, Request, Role, TextPart, ToolCall
+from shared.settings import Settings
+
+Saver = Callable[[Request, list[StreamDelta]], Awaitable[None]]  # (the request as queued, its deltas)
 
 
 def assistant_turn(deltas: list[StreamDelta]) -> Message:
@@ -51,3 +58,28 @@ async def load(redis: Redis, response_id: str, *, param: str | None = None) -> t
 async def delete(redis: Redis, response_id: str) -> None:
     if not await redis.delete(keys.stored_response(response_id)):
         raise ApiError(f"Response with id '{response_id}' not found.", status=404, kind="not_found", code="response_not_found")
+
+
+async def begin(redis: Redis, settings: Settings, body: Any, parsed: Request) -> tuple[Request, Saver | None]:
+    """The Responses session around one generation: `previous_response_id` puts the stored conversation
+    before this request's messages; with `store` (the default) the returned saver keeps the finished
+    response (for GET and a later `previous_response_id`): the whole conversation without this
+    request's `instructions` (OpenAI does not carry them over), plus the assistant turn."""
+    request = parsed
+    previous = previous_response_id(body) if isinstance(body, dict) else None
+    if previous is not None:
+        _, conversation = await load(redis, previous, param="previous_response_id")
+        request = replace(parsed, messages=(*conversation, *parsed.messages))
+    if not isinstance(body, dict) or not store_flag(body):
+        return request, None
+    instructions = parsed.messages[0] if body.get("instructions") is not None else None
+
+    async def save_deltas(final: Request, deltas: list[StreamDelta]) -> None:
+        acc = ResponseAccumulator(final)
+        for delta in deltas:
+            acc.feed(delta)
+        if acc.error is None:
+            conversation = [m for m in final.messages if m is not instructions] + [assistant_turn(deltas)]
+            await save(redis, response_id(final), body=acc.body(), conversation=conversation, ttl=settings.response_ttl)
+
+    return request, save_deltas
