@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from cli.batch import app as batch_app
 from cli.dump import DataDirOption as DumpDataDir
 from cli.dump import app as dump_app
 from cli.replay import HELP as REPLAY_HELP
@@ -49,6 +50,9 @@ RateLimitTpm = Annotated[int | None, typer.Option(help="Tokens per minute per AP
 RateLimitPeriod = Annotated[float | None, typer.Option(help="Seconds in which an empty rate-limit bucket refills (60: the limits are per minute).")]
 MaxBodyBytes = Annotated[int | None, typer.Option(help="Largest request body, bytes (larger: 413).")]
 MaxJsonDepth = Annotated[int | None, typer.Option(help="Deepest JSON nesting a request body may have (deeper: 400).")]
+MaxFileMb = Annotated[int | None, typer.Option(help="Largest file POST /v1/files accepts, MB (batch input files).")]
+BatchMaxInflight = Annotated[int | None, typer.Option(help="Lines of one batch queued or running at once; the rest wait, so interactive latency holds.")]
+BatchPriority = Annotated[int | None, typer.Option(help="Scheduler priority of batch lines (interactive requests: 0; lower runs sooner).")]
 DumpDir = Annotated[
     str | None,
     typer.Option(help="Also append every finished request (IR, deltas, timings; secrets redacted) to rotating JSONL files in this folder."),
@@ -91,6 +95,9 @@ def serve(
     rate_limit_period: RateLimitPeriod = None,
     max_body_bytes: MaxBodyBytes = None,
     max_json_depth: MaxJsonDepth = None,
+    max_file_mb: MaxFileMb = None,
+    batch_max_inflight: BatchMaxInflight = None,
+    batch_priority: BatchPriority = None,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="On a terminal, log lines instead of the `met top` dashboard.")] = False,
 ) -> None:
     """Run everything: embedded Redis (unless --redis-url), the API and N workers. Ctrl-C stops all."""
@@ -122,6 +129,9 @@ def api(
     rate_limit_period: RateLimitPeriod = None,
     max_body_bytes: MaxBodyBytes = None,
     max_json_depth: MaxJsonDepth = None,
+    max_file_mb: MaxFileMb = None,
+    batch_max_inflight: BatchMaxInflight = None,
+    batch_priority: BatchPriority = None,
 ) -> None:
     """Run only the API role against --redis-url (what compose and multi-node setups use)."""
     settings = _settings(**locals())
@@ -177,6 +187,7 @@ def top(
 
 
 app.add_typer(dump_app, name="dump")  # list / show / export (cli/dump.py)
+app.add_typer(batch_app, name="batch")  # submit / list / show / cancel / results (cli/batch.py)
 
 
 @app.command(help=REPLAY_HELP)

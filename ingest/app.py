@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -34,6 +36,8 @@ from encoders.frames import Frame
 from encoders.wire import ClientLink, StreamEncoder, collect, sse_events, tail
 from ingest import anthropic_messages, openai_chat, openai_responses, responses_store
 from ingest.auth import ANONYMOUS, Authenticator
+from ingest.batch_dispatch import BatchDispatcher
+from ingest.batch_routes import BatchLines, BatchRoutes
 from ingest.errors import error_body, failure, status_for
 from ingest.limits import RateLimiter, parse_json, read_body
 from ingest.metrics import CONTENT_TYPE, Metrics
@@ -365,6 +369,31 @@ def _protocol_of_path(http: HttpRequest) -> Protocol:
     return next((s.protocol for s in SURFACES if path.startswith(s.path)), Protocol.OPENAI_CHAT)
 
 
+def _add_batch_routes(app: Application, api: Api) -> None:
+    """Files, Batches and Message Batches (ingest/batch_routes.py); the dispatcher runs beside the app."""
+    routes = BatchRoutes(api, BatchLines(api, {s.protocol: s for s in SURFACES}), caller=lambda http: str(_scope(http).get(CALLER, ANONYMOUS)))
+    openai, anthropic = Protocol.OPENAI_CHAT, Protocol.ANTHROPIC_MESSAGES
+    table: list[tuple[str, str, Protocol, Handler]] = [
+        ("POST", "/v1/files", openai, routes.upload_file),
+        ("GET", "/v1/files", openai, routes.list_files),
+        ("GET", "/v1/files/:file_id", openai, routes.get_file),
+        ("GET", "/v1/files/:file_id/content", openai, routes.file_content),
+        ("DELETE", "/v1/files/:file_id", openai, routes.delete_file),
+        ("POST", "/v1/batches", openai, routes.create_batch),
+        ("GET", "/v1/batches", openai, routes.list_batches),
+        ("GET", "/v1/batches/:batch_id", openai, routes.get_batch),
+        ("POST", "/v1/batches/:batch_id/cancel", openai, routes.cancel_batch),
+        ("POST", "/v1/messages/batches", anthropic, routes.create_message_batch),
+        ("GET", "/v1/messages/batches", anthropic, routes.list_message_batches),
+        ("GET", "/v1/messages/batches/:batch_id", anthropic, routes.get_message_batch),
+        ("POST", "/v1/messages/batches/:batch_id/cancel", anthropic, routes.cancel_message_batch),
+        ("GET", "/v1/messages/batches/:batch_id/results", anthropic, routes.message_batch_results),
+        ("DELETE", "/v1/messages/batches/:batch_id", anthropic, routes.delete_message_batch),
+    ]
+    for method, path, protocol, handler in table:
+        app.router.add(method, path, guarded(api, protocol, handler))
+
+
 def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     api = Api(settings, renderer)
     app = Application()
@@ -378,14 +407,26 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     app.router.add_get("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, api.get_response))
     app.router.add_delete("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, api.delete_response))
 
+    _add_batch_routes(app, api)
+
     async def not_found(http: HttpRequest) -> Response:
         raise ApiError(f"Unknown route: {http.method} {http.url.path.decode(errors='replace')}", status=404, kind="not_found", code="unknown_route")
 
     app.router.fallback = guarded(api, None, not_found)
 
+    stop_dispatch = asyncio.Event()
+    dispatcher = BatchDispatcher(api.redis, settings, BatchLines(api, {s.protocol: s for s in SURFACES}), node_id=f"{socket.gethostname()}-{os.getpid()}-{new_id()[:6]}")
+    tasks: list[asyncio.Task[None]] = []
+
+    async def start(_: Application) -> None:
+        tasks.append(asyncio.create_task(dispatcher.run(stop_dispatch)))
+
     async def close(_: Application) -> None:
+        stop_dispatch.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await api.redis.aclose()
 
+    app.on_start += start
     app.on_stop += close
     app.met_api = api  # type: ignore[attr-defined]  # cli.serve flips `draining` on shutdown
     return app

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from shared import keys
 from shared.codec import VERSION, encode_request
@@ -19,20 +20,38 @@ async def submit(redis: Redis, request: Request) -> None:
 
     A non-transactional pipeline keeps the order and stays valid on a Redis cluster, where these keys
     live in different slots."""
+    async with redis.pipeline(transaction=False) as pipe:
+        _queue(pipe, request)
+        await pipe.execute()
+
+
+async def submit_batch_line(redis: Redis, request: Request) -> None:
+    """`submit` for a batch line, all or nothing (MULTI/EXEC), with its place in the queue counted:
+    once the IR key exists the line is queued, so a dispatcher that restarts asks `is_queued` and never
+    queues a line twice or loses one. (MULTI over these keys needs one Redis, not a cluster.)"""
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.incrby(keys.INFLIGHT, 1)
+        _queue(pipe, request)
+        await pipe.execute()
+
+
+async def is_queued(redis: Redis, request_id: str) -> bool:
+    return bool(await redis.exists(keys.request_ir(request_id)))
+
+
+def _queue(pipe: Pipeline, request: Request) -> None:
     encoded = encode_request(request)
     now = time.time()
     deltas = keys.delta_stream(request.id)
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.set(keys.request_ir(request.id), encoded)
-        pipe.hset(
-            keys.request_meta(request.id),
-            mapping={"status": "queued", "protocol": request.protocol.value, "model": request.model, "endpoint": request.endpoint, "received_at": now},
-        )
-        pipe.xadd(deltas, {"created": b"1"}, id="0-1")
-        pipe.xtrim(deltas, maxlen=0, approximate=False)
-        pipe.zadd(keys.REQUEST_INDEX, {request.id: now})
-        pipe.xadd(keys.REQUEST_STREAM, {"v": VERSION, "id": request.id, "req": encoded})
-        await pipe.execute()
+    pipe.set(keys.request_ir(request.id), encoded)
+    pipe.hset(
+        keys.request_meta(request.id),
+        mapping={"status": "queued", "protocol": request.protocol.value, "model": request.model, "endpoint": request.endpoint, "received_at": now},
+    )
+    pipe.xadd(deltas, {"created": b"1"}, id="0-1")
+    pipe.xtrim(deltas, maxlen=0, approximate=False)
+    pipe.zadd(keys.REQUEST_INDEX, {request.id: now})
+    pipe.xadd(keys.REQUEST_STREAM, {"v": VERSION, "id": request.id, "req": encoded})
 
 
 # Atomically: refuse (-1) when admitting ARGV[1] more requests would pass the limit ARGV[2].

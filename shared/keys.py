@@ -88,3 +88,64 @@ def request_keys(request_id: str) -> tuple[str, ...]:
 def cancel_flag(request_id: str) -> str:
     """Present once the client is gone. Writer: encoders.wire on disconnect. Reader: workers.loop."""
     return f"{_tag(request_id)}:cancel"
+
+
+# ---- Files and batch jobs (ingest.files, ingest.batch_jobs, ingest.batch_dispatch) -------------------
+# Every key below is written and read by API nodes only; workers see batch lines as ordinary requests.
+
+
+def file_meta(file_id: str) -> str:
+    """Hash: the file object's fields (JSON under "doc") and its owner. Writer: ingest.files (upload, and
+    the dispatcher for batch output files). Readers: ingest.files, ingest.batch_jobs."""
+    return f"{PREFIX}:file:{{{file_id}}}:meta"
+
+
+def file_content(file_id: str) -> str:
+    """The file's bytes (bounded by --max-file-mb). Writer and readers as for `file_meta`."""
+    return f"{PREFIX}:file:{{{file_id}}}:content"
+
+
+def files_of(owner: str) -> str:
+    """Sorted set of an owner's file ids (score: created). Writer: ingest.files. Reader: GET /v1/files."""
+    return f"{PREFIX}:files:{owner}"
+
+
+def batch_doc(batch_id: str) -> str:
+    """JSON of one batch job (protocol, status, timestamps, owner, ids of its files). Writers: the create,
+    cancel and delete routes and the dispatcher (ingest.batch_dispatch). Readers: the batch routes, `met batch`,
+    the TUI."""
+    return f"{PREFIX}:batch:{{{batch_id}}}:doc"
+
+
+def batch_lines(batch_id: str) -> str:
+    """List of the batch's validated lines (JSON: custom_id, body), in input order. Writer: the create route.
+    Reader: the dispatcher."""
+    return f"{PREFIX}:batch:{{{batch_id}}}:lines"
+
+
+def batch_results(batch_id: str) -> str:
+    """Hash custom_id → result (JSON: outcome + the protocol's result line): one per line, whatever restarts
+    (HSET by custom_id). Writer: the dispatcher. Readers: results routes, counts."""
+    return f"{PREFIX}:batch:{{{batch_id}}}:results"
+
+
+def batch_counts(batch_id: str) -> str:
+    """Hash outcome → number of lines with that result (HINCRBY in the same Lua call as the result).
+    Writer: the dispatcher. Readers: the batch routes, `met batch`, the TUI."""
+    return f"{PREFIX}:batch:{{{batch_id}}}:counts"
+
+
+def batch_lease(batch_id: str) -> str:
+    """Which API node dispatches the batch now (SET NX PX, renewed; expiry hands it to another node).
+    Writer and reader: ingest.batch_dispatch."""
+    return f"{PREFIX}:batch:{{{batch_id}}}:lease"
+
+
+def batches_of(owner: str) -> str:
+    """Sorted set of an owner's batch ids (score: created). Writer: the create route. Reader: the list routes."""
+    return f"{PREFIX}:batches:{owner}"
+
+
+# Batches not yet ended (set of ids). Writers: the create route (SADD), the dispatcher (SREM at the end).
+# Readers: every API node's dispatcher (which one takes a batch is decided by `batch_lease`), the TUI.
+BATCHES_ACTIVE = f"{PREFIX}:batches:active"

@@ -55,6 +55,11 @@ class Settings:
     max_body_bytes: int = 32 * 2**20
     max_json_depth: int = 64
     response_ttl: int = 30 * 86400  # seconds a stored Responses-API response is kept (store=true)
+    max_file_mb: int = 200  # largest file POST /v1/files accepts
+    batch_max_lines: int = 50_000  # most requests one batch may hold
+    batch_max_inflight: int = 16  # lines of one batch queued or running at once (interactive traffic keeps its latency)
+    batch_priority: int = 10  # scheduler priority of batch lines (interactive requests default to 0: lower runs sooner)
+    batch_retention: int = 29 * 86400  # seconds files, batches and their results are kept (Anthropic keeps results 29 days)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:

@@ -1,0 +1,226 @@
+"""The batch dispatcher: every API node runs one; each batch is driven by whichever node holds its lease.
+
+Each `step_once()`: for every batch not ended (`BATCHES_ACTIVE`), take or renew its lease
+(`keys.batch_lease`, SET NX PX: a node that dies loses it after `lease_s` and another node resumes
+the batch), then advance it: collect the lines whose request reached its terminal event (the result is
+the same final JSON a non-streaming client gets, stored once per `custom_id`), queue more lines up to
+`--batch-max-inflight` at the batch priority, and once every line has its result write the output.
+State lives in Redis only; what a node keeps in memory (`_Job`) is rebuilt from Redis on takeover:
+lines with a result are done, lines whose request id (derived from batch id + custom_id) is already
+queued are in flight — so no line is queued twice and none is lost, whatever restarts.
+Cancel (and expiry) stop queueing, cancel what is in flight, and give every unfinished line a
+canceled / expired result; finished lines are kept.
+Must not: know protocol shapes (the `LineRunner` the app passes in does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from ingest import batch_jobs, files
+from ingest.publish import cancel, is_queued, submit_batch_line
+from shared import keys
+from shared.codec import decode_delta
+from shared.deltas import Finish, StreamDelta, is_terminal
+from shared.errors import ApiError
+from shared.ir import Request
+from shared.settings import Settings
+
+log = logging.getLogger("met.batch")
+
+# Take the lease if free, or renew it if this node holds it; 1 if this node holds it now.
+_LEASE = """
+local holder = redis.call('GET', KEYS[1])
+if holder == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+if holder == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+class LineRunner(Protocol):
+    """What the dispatcher needs of the protocols (built by the app from its Surface rows)."""
+
+    def request(self, doc: dict[str, Any], line: dict[str, Any], request_id: str) -> Request:
+        """The prepared request IR of a line (raises ApiError when its body is refused)."""
+        ...
+
+    def result(self, doc: dict[str, Any], line: dict[str, Any], request: Request, deltas: list[StreamDelta]) -> tuple[str, dict[str, Any]]:
+        """(outcome, result line) from a finished request's deltas."""
+        ...
+
+    def refused(self, doc: dict[str, Any], line: dict[str, Any], request_id: str, err: ApiError) -> dict[str, Any]: ...
+
+    def unrun(self, doc: dict[str, Any], line: dict[str, Any], request_id: str, outcome: str) -> dict[str, Any]: ...
+
+
+@dataclass
+class _Job:
+    lines: dict[str, dict[str, Any]]  # custom_id → line
+    todo: deque[str]  # custom_ids neither finished nor queued, in input order
+    inflight: dict[str, str] = field(default_factory=dict)  # request id → custom_id
+    requests: dict[str, Request] = field(default_factory=dict)  # request id → IR (for the result body)
+    cancel_sent: bool = False
+
+
+class BatchDispatcher:
+    def __init__(self, redis: Redis, settings: Settings, runner: LineRunner, *, node_id: str) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.runner = runner
+        self.node_id = node_id
+        self.jobs: dict[str, _Job] = {}
+        self._lease = redis.register_script(_LEASE)
+
+    async def run(self, stop: asyncio.Event, interval: float = 0.2) -> None:
+        while not stop.is_set():
+            try:
+                await self.step_once()
+            except RedisError as exc:
+                log.warning("batch dispatch: redis unavailable (%s); retrying", type(exc).__name__)
+            except Exception:
+                log.exception("batch dispatch step failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+
+    async def step_once(self) -> None:
+        active: Any = await self.redis.smembers(keys.BATCHES_ACTIVE)
+        for raw in sorted(active):
+            batch_id = raw.decode()
+            lease_ms = int(self.settings.lease_s * 1000)
+            if await self._lease(keys=[keys.batch_lease(batch_id)], args=[self.node_id, lease_ms]):
+                await self.advance(batch_id)
+            else:
+                self.jobs.pop(batch_id, None)  # another node drives it now
+
+    async def advance(self, batch_id: str) -> None:
+        try:
+            doc = await batch_jobs.load(self.redis, batch_id)
+        except ApiError:
+            await self.redis.srem(keys.BATCHES_ACTIVE, batch_id)  # deleted or expired
+            return
+        if doc["status"] in batch_jobs.ENDED:
+            await self._end(batch_id)
+            return
+        job = self.jobs.get(batch_id) or await self._load(batch_id)
+        self.jobs[batch_id] = job
+        if doc["status"] == "validating":
+            doc = await batch_jobs.update(self.redis, self.settings, batch_id, status="in_progress", in_progress_at=int(time.time()))
+        stopping = "canceled" if doc["status"] == "cancelling" else "expired" if time.time() > doc["expires_at"] else None
+        await self._collect(doc, job, stopping)
+        if stopping is not None:
+            await self._stop(doc, job, stopping)
+        else:
+            await self._queue_more(doc, job)
+        if not job.todo and not job.inflight:
+            await self._finalize(doc, stopping)
+
+    async def _load(self, batch_id: str) -> _Job:
+        raw: Any = await self.redis.lrange(keys.batch_lines(batch_id), 0, -1)
+        lines = [orjson.loads(r) for r in raw]
+        done: Any = await self.redis.hkeys(keys.batch_results(batch_id))
+        finished = {d.decode() for d in done}
+        job = _Job(lines={line["custom_id"]: line for line in lines}, todo=deque())
+        for line in lines:
+            cid = line["custom_id"]
+            if cid in finished:
+                continue
+            rid = batch_jobs.line_request_id(batch_id, cid)
+            if await is_queued(self.redis, rid):
+                job.inflight[rid] = cid  # queued by an earlier dispatcher: wait for it, never queue it again
+            else:
+                job.todo.append(cid)
+        return job
+
+    async def _collect(self, doc: dict[str, Any], job: _Job, stopping: str | None) -> None:
+        """Record the result of every in-flight line whose request has ended."""
+        if not job.inflight:
+            return
+        rids = list(job.inflight)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rid in rids:
+                pipe.xrevrange(keys.delta_stream(rid), count=1)
+            lasts = await pipe.execute()
+        for rid, last in zip(rids, lasts, strict=True):
+            if not last or b"d" not in last[0][1] or not is_terminal(decode_delta(last[0][1][b"d"])):
+                continue
+            entries: Any = await self.redis.xrange(keys.delta_stream(rid))
+            deltas = [decode_delta(f[b"d"]) for _id, f in entries if b"d" in f]
+            cid = job.inflight.pop(rid)
+            line = job.lines[cid]
+            request = job.requests.pop(rid, None) or self._rebuild(doc, line, rid)
+            outcome, result = self.runner.result(doc, line, request, deltas)
+            if outcome == "canceled" and stopping == "expired":
+                outcome, result = "expired", self.runner.unrun(doc, line, rid, "expired")
+            finish = next((d for d in deltas if isinstance(d, Finish)), None)
+            tokens = (finish.usage.prompt_tokens, finish.usage.completion_tokens) if finish is not None else (len(request.prompt_token_ids), 0)
+            await batch_jobs.record_result(self.redis, doc["id"], cid, outcome=outcome, result=result, tokens=tokens)
+
+    def _rebuild(self, doc: dict[str, Any], line: dict[str, Any], rid: str) -> Request:
+        """The IR of a line queued by an earlier dispatcher (the result body needs it): the same parse."""
+        return self.runner.request(doc, line, rid)
+
+    async def _queue_more(self, doc: dict[str, Any], job: _Job) -> None:
+        while job.todo and len(job.inflight) < self.settings.batch_max_inflight:
+            cid = job.todo.popleft()
+            line = job.lines[cid]
+            rid = batch_jobs.line_request_id(doc["id"], cid)
+            try:
+                request = self.runner.request(doc, line, rid)
+            except ApiError as err:
+                await batch_jobs.record_result(self.redis, doc["id"], cid, outcome="errored", result=self.runner.refused(doc, line, rid, err))
+                continue
+            await submit_batch_line(self.redis, request)
+            job.inflight[rid] = cid
+            job.requests[rid] = request
+
+    async def _stop(self, doc: dict[str, Any], job: _Job, outcome: str) -> None:
+        """Cancel what runs (its result comes through `_collect`); every line not started gets `outcome`."""
+        if not job.cancel_sent:
+            for rid in job.inflight:
+                await cancel(self.redis, rid)
+            job.cancel_sent = True
+        while job.todo:
+            cid = job.todo.popleft()
+            rid = batch_jobs.line_request_id(doc["id"], cid)
+            await batch_jobs.record_result(self.redis, doc["id"], cid, outcome=outcome, result=self.runner.unrun(doc, job.lines[cid], rid, outcome))
+
+    async def _finalize(self, doc: dict[str, Any], stopping: str | None) -> None:
+        now = int(time.time())
+        status = {"canceled": "cancelled", "expired": "expired"}.get(stopping or "", "completed")
+        changes: dict[str, Any] = {"status": status, f"{status}_at": now, "ended_at": now}
+        if doc["protocol"] == batch_jobs.OPENAI:
+            await batch_jobs.update(self.redis, self.settings, doc["id"], status="finalizing", finalizing_at=now)
+            results = await batch_jobs.results(self.redis, doc["id"])
+            ordered = [results[cid] for cid in self.jobs[doc["id"]].lines if cid in results]
+            for name, wanted in (("output_file_id", True), ("error_file_id", False)):
+                chosen = [r["result"] for r in ordered if (r["outcome"] == "succeeded") is wanted]
+                if chosen:
+                    content = b"".join(orjson.dumps(r) + b"\n" for r in chosen)
+                    stored = await files.put(self.redis, self.settings, owner=doc["owner"], filename=f"{doc['id']}_{name[:-8]}.jsonl", purpose=files.OUTPUT_PURPOSE, content=content)
+                    changes[name] = stored["id"]
+        await batch_jobs.update(self.redis, self.settings, doc["id"], **changes)
+        log.info("batch %s %s", doc["id"], status)
+        await self._end(doc["id"])
+
+    async def _end(self, batch_id: str) -> None:
+        self.jobs.pop(batch_id, None)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.srem(keys.BATCHES_ACTIVE, batch_id)
+            pipe.delete(keys.batch_lease(batch_id))
+            await pipe.execute()

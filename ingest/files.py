@@ -1,0 +1,128 @@
+"""The OpenAI Files API, kept in Redis so that every API node reads the same files.
+
+Owns: upload (multipart `file` + `purpose`), list, get, content and delete, each scoped to the caller
+(another key's file is a 404), and the storage helpers batch jobs use for their input and output files.
+A file is two keys (`shared.keys.file_meta` / `file_content`) with the retention TTL; its size is bounded
+by `--max-file-mb` (Redis holds strings up to 512 MB; the default 200 MB stays well under it).
+Must not: parse batch lines (ingest.batch_jobs does).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+import orjson
+from blacksheep import Request as HttpRequest
+from redis.asyncio import Redis
+
+from shared import keys
+from shared.errors import ApiError, invalid
+from shared.settings import Settings
+
+PURPOSES = ("batch", "user_data", "fine-tune", "assistants", "vision", "evals")
+OUTPUT_PURPOSE = "batch_output"
+
+
+def not_found(file_id: str) -> ApiError:
+    return ApiError(f"No such File object: {file_id}", status=404, param="file_id", kind="not_found", code="file_not_found")
+
+
+async def put(redis: Redis, settings: Settings, *, owner: str, filename: str, purpose: str, content: bytes) -> dict[str, Any]:
+    """Store a file; returns its File object."""
+    file_id = "file-" + secrets.token_hex(12)
+    now = int(time.time())
+    doc = {
+        "id": file_id,
+        "object": "file",
+        "bytes": len(content),
+        "created_at": now,
+        "expires_at": now + settings.batch_retention,
+        "filename": filename,
+        "purpose": purpose,
+        "status": "processed",
+        "status_details": None,
+    }
+    ttl = settings.batch_retention
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.hset(keys.file_meta(file_id), mapping={"doc": orjson.dumps(doc), "owner": owner})
+        pipe.expire(keys.file_meta(file_id), ttl)
+        pipe.set(keys.file_content(file_id), content, ex=ttl)
+        pipe.zadd(keys.files_of(owner), {file_id: now})
+        await pipe.execute()
+    return doc
+
+
+async def get(redis: Redis, file_id: str, *, owner: str) -> dict[str, Any]:
+    raw: Any = await redis.hmget(keys.file_meta(file_id), ["doc", "owner"])
+    if raw[0] is None or bytes(raw[1]).decode() != owner:
+        raise not_found(file_id)
+    doc: dict[str, Any] = orjson.loads(raw[0])
+    return doc
+
+
+async def content(redis: Redis, file_id: str, *, owner: str) -> bytes:
+    await get(redis, file_id, owner=owner)
+    data: Any = await redis.get(keys.file_content(file_id))
+    if data is None:
+        raise not_found(file_id)
+    return bytes(data)
+
+
+async def delete(redis: Redis, file_id: str, *, owner: str) -> dict[str, Any]:
+    await get(redis, file_id, owner=owner)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.delete(keys.file_meta(file_id), keys.file_content(file_id))
+        pipe.zrem(keys.files_of(owner), file_id)
+        await pipe.execute()
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+async def listing(redis: Redis, *, owner: str, purpose: str | None, limit: int, after: str | None) -> dict[str, Any]:
+    """Newest first, OpenAI's cursor pagination (`after` = the last id of the previous page)."""
+    ids = [i.decode() for i in await _zrevrange(redis, keys.files_of(owner))]
+    if after is not None:
+        ids = ids[ids.index(after) + 1 :] if after in ids else []
+    docs = []
+    for file_id in ids:
+        try:
+            doc = await get(redis, file_id, owner=owner)
+        except ApiError:
+            await redis.zrem(keys.files_of(owner), file_id)  # expired
+            continue
+        if purpose is None or doc["purpose"] == purpose:
+            docs.append(doc)
+        if len(docs) > limit:
+            break
+    page = docs[:limit]
+    return {"object": "list", "data": page, "has_more": len(docs) > limit, "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
+
+
+async def read_upload(http: HttpRequest, settings: Settings) -> tuple[str, str, bytes]:
+    """(filename, purpose, bytes) of a multipart upload, within the size limit, each part named in errors."""
+    limit = settings.max_file_mb * 2**20
+    length = http.get_first_header(b"content-length")
+    if length is not None and int(length) > limit + 2**16:
+        raise ApiError(f"File too large: the limit is {settings.max_file_mb} MB (--max-file-mb).", status=413, param="file", kind="too_large", code="file_too_large")
+    ctype = (http.get_first_header(b"content-type") or b"").decode()
+    if not ctype.startswith("multipart/form-data"):
+        raise invalid("Uploads must be multipart/form-data with a `file` and a `purpose` field.", "file", "invalid_content_type")
+    parts = {part.name.decode(): part for part in await http.multipart() or []}
+    purpose_part, file_part = parts.get("purpose"), parts.get("file")
+    if purpose_part is None:
+        raise invalid("Missing required parameter: 'purpose'.", "purpose", "missing_required_parameter")
+    purpose = purpose_part.data.decode(errors="replace").strip()
+    if purpose not in PURPOSES:
+        raise invalid(f"Invalid value for 'purpose': {purpose!r}. Supported values: {', '.join(PURPOSES)}.", "purpose", "invalid_value")
+    if file_part is None:
+        raise invalid("Missing required parameter: 'file'.", "file", "missing_required_parameter")
+    if len(file_part.data) > limit:
+        raise ApiError(f"File too large: the limit is {settings.max_file_mb} MB (--max-file-mb).", status=413, param="file", kind="too_large", code="file_too_large")
+    filename = (file_part.file_name or b"upload").decode(errors="replace")
+    return filename, purpose, bytes(file_part.data)
+
+
+async def _zrevrange(redis: Redis, key: str) -> list[bytes]:
+    ids: Any = await redis.zrevrange(key, 0, -1)
+    return list(ids)

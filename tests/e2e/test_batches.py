@@ -1,0 +1,258 @@
+"""Batch jobs through a live server with the official SDKs: OpenAI Files + Batches, Anthropic Message
+Batches, up-front validation, cancel, and a key seeing only its own batches.
+
+The server runs in float32 so that a line's greedy or seeded result can be compared token for token
+with the same request sent alone (in bf16, batch composition may flip a near-tie).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from ..conftest import ROOT, LiveServer, start_server, stop_server
+
+pytestmark = pytest.mark.e2e
+
+KEY, OTHER_KEY = "batch-key-1", "batch-key-2"
+MAX_LINES = 300
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    live = start_server(
+        tmp_path_factory.mktemp("batches"),
+        *("--workers", "1", "--dtype", "float32", "--batch-max-inflight", "32", "--max-file-mb", "1"),
+        *("--api-key", KEY, "--api-key", OTHER_KEY),
+        env={"MET_BATCH_MAX_LINES": str(MAX_LINES)},
+    )
+    yield live
+    stop_server(live)
+
+
+@pytest.fixture
+def oai(server: LiveServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture
+def claude(server: LiveServer) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120) as client:
+        yield client
+
+
+def chat_body(i: int, *, seeded: bool = False, max_tokens: int = 6) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": f"Count from {i} to {i + 5}."}], "max_tokens": max_tokens}
+    body.update({"temperature": 0.8, "seed": 1000 + i} if seeded else {"temperature": 0})
+    return body
+
+
+def jsonl(rows: list[Any]) -> io.BytesIO:
+    return io.BytesIO("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows).encode())
+
+
+def line(custom_id: str, body: dict[str, Any], url: str = "/v1/chat/completions") -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout: float = 240.0) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def submit(oai: openai.OpenAI, rows: list[Any]) -> Any:
+    uploaded = oai.files.create(file=("input.jsonl", jsonl(rows)), purpose="batch")
+    return oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"run": "test"})
+
+
+def finished(oai: openai.OpenAI, batch_id: str) -> Any:
+    return wait_until("the batch to end", lambda: (b := oai.batches.retrieve(batch_id)).status in ("completed", "failed", "cancelled") and b)
+
+
+def file_lines(oai: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in oai.files.content(file_id).text.splitlines()] if file_id else []
+
+
+def test_a_200_line_openai_batch_completes_with_one_result_per_line_equal_to_the_request_sent_alone(oai: openai.OpenAI) -> None:
+    rows = [line(f"req-{i}", chat_body(i, seeded=i % 5 == 0)) for i in range(200)]
+    batch = submit(oai, rows)
+    assert batch.status == "validating" and batch.request_counts.total == 200 and batch.metadata == {"run": "test"}
+    done = finished(oai, batch.id)
+    assert done.status == "completed" and done.error_file_id is None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (200, 200, 0)
+    assert done.in_progress_at and done.finalizing_at and done.completed_at
+    out = file_lines(oai, done.output_file_id)
+    assert sorted(r["custom_id"] for r in out) == sorted(f"req-{i}" for i in range(200))
+    assert all(r["response"]["status_code"] == 200 and r["error"] is None for r in out)
+    by_id = {r["custom_id"]: r["response"]["body"] for r in out}
+    for i in range(0, 200, 8):  # 25 lines, greedy and seeded, against the interactive route
+        alone = oai.chat.completions.create(**chat_body(i, seeded=i % 5 == 0))
+        batched = by_id[f"req-{i}"]["choices"][0]
+        assert batched["message"]["content"] == alone.choices[0].message.content, i
+        assert batched["finish_reason"] == alone.choices[0].finish_reason
+    assert oai.batches.list(limit=1).data[0].id == batch.id
+
+
+def test_a_50_request_anthropic_message_batch_ends_with_results_equal_to_the_requests_sent_alone(claude: anthropic.Anthropic) -> None:
+    params = [{"model": "m", "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": f"Name the number {i}."}]} for i in range(50)]
+    bad = {"model": "m", "messages": [{"role": "user", "content": "no max_tokens"}]}
+    created = claude.messages.batches.create(requests=[*({"custom_id": f"m{i}", "params": p} for i, p in enumerate(params)), {"custom_id": "bad", "params": bad}])  # type: ignore[misc]
+    assert created.processing_status == "in_progress" and created.request_counts.processing == 51
+    ended = wait_until("the message batch to end", lambda: (b := claude.messages.batches.retrieve(created.id)).processing_status == "ended" and b)
+    assert (ended.request_counts.succeeded, ended.request_counts.errored, ended.request_counts.processing) == (50, 1, 0)
+    assert ended.results_url and ended.ended_at is not None
+    results = {r.custom_id: r.result for r in claude.messages.batches.results(created.id)}
+    assert len(results) == 51
+    assert results["bad"].type == "errored" and "max_tokens" in json.dumps(results["bad"].model_dump())
+    for i in range(0, 50, 5):
+        sent = {k: v for k, v in params[i].items() if k != "temperature"}
+        alone = claude.messages.create(**sent, extra_body={"temperature": 0})  # type: ignore[call-overload]
+        got = results[f"m{i}"]
+        assert got.type == "succeeded"
+        assert got.message.content[0].text == alone.content[0].text  # type: ignore[union-attr]
+    assert claude.messages.batches.delete(created.id).type == "message_batch_deleted"
+
+
+def test_cancel_mid_batch_keeps_finished_lines_and_cancels_the_rest_with_consistent_counts(oai: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    batch = submit(oai, [line(f"c{i}", chat_body(i, max_tokens=40)) for i in range(120)])
+    wait_until("some lines to finish", lambda: oai.batches.retrieve(batch.id).request_counts.completed >= 3)
+    assert oai.batches.cancel(batch.id).status == "cancelling"
+    done = finished(oai, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at
+    kept, cancelled = file_lines(oai, done.output_file_id), file_lines(oai, done.error_file_id)
+    assert len(kept) == done.request_counts.completed >= 3 and done.request_counts.failed == 0
+    assert len(kept) + len(cancelled) == 120 and len({r["custom_id"] for r in kept + cancelled}) == 120
+    assert cancelled and all(r["error"]["code"] == "batch_cancelled" for r in cancelled)
+    # Anthropic: the same through message batches.
+    reqs = [{"custom_id": f"a{i}", "params": {"model": "m", "max_tokens": 40, "messages": [{"role": "user", "content": f"Count to {i}."}]}} for i in range(80)]
+    mb = claude.messages.batches.create(requests=reqs)  # type: ignore[arg-type]
+    wait_until("a message to finish", lambda: claude.messages.batches.retrieve(mb.id).request_counts.succeeded >= 2)
+    assert claude.messages.batches.cancel(mb.id).processing_status in ("canceling", "ended")
+    ended = wait_until("the cancel to end", lambda: (b := claude.messages.batches.retrieve(mb.id)).processing_status == "ended" and b)
+    counts = ended.request_counts
+    results = list(claude.messages.batches.results(mb.id))
+    assert counts.canceled > 0 and counts.succeeded >= 2 and counts.succeeded + counts.canceled + counts.errored == 80 == len(results)
+    assert sum(r.result.type == "canceled" for r in results) == counts.canceled
+
+
+BAD_LINES = [
+    ("not json", "invalid_json_line", None),
+    (line("", chat_body(1)), "missing_required_parameter", "custom_id"),
+    ({**line("dup", chat_body(1)), "method": "GET"}, "invalid_method", "method"),
+    (line("url", chat_body(1), url="/v1/responses"), "mismatched_url", "url"),
+    (line("body", {"model": "m"}), "invalid_request", "body.messages"),
+    (line("temp", {**chat_body(1), "temperature": 9}), "invalid_request", "body.temperature"),
+]
+
+
+def test_every_bad_line_fails_the_batch_with_an_error_naming_its_line_and_parameter(oai: openai.OpenAI, server: LiveServer) -> None:
+    r = server.redis()
+    queued_before = r.xlen("met:requests")
+    rows: list[Any] = [line("ok", chat_body(1)), line("ok", chat_body(2))]  # line 2: duplicate custom_id
+    rows += [bad for bad, _code, _param in BAD_LINES]
+    batch = submit(oai, rows)
+    assert batch.status == "failed" and batch.failed_at
+    errors = [(e.line, e.code, e.param) for e in batch.errors.data]  # type: ignore[union-attr]
+    expected = [(2, "duplicate_custom_id", "custom_id")] + [(n, code, param) for n, (_bad, code, param) in enumerate(BAD_LINES, start=3)]
+    assert errors == expected
+    assert r.xlen("met:requests") == queued_before  # nothing reached a worker
+
+
+def test_bad_batch_parameters_get_openai_errors_naming_them(oai: openai.OpenAI, server: LiveServer) -> None:
+    uploaded = oai.files.create(file=("in.jsonl", jsonl([line("a", chat_body(1))])), purpose="batch")
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"input_file_id": uploaded.id, "endpoint": "/v1/embeddings", "completion_window": "24h"}, "endpoint"),
+        ({"input_file_id": uploaded.id, "endpoint": "/v1/completions", "completion_window": "24h"}, "endpoint"),
+        ({"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions", "completion_window": "1h"}, "completion_window"),
+        ({"input_file_id": "file-missing", "endpoint": "/v1/chat/completions", "completion_window": "24h"}, "input_file_id"),
+    ]
+    for body, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.batches.create(**body)
+        assert err.value.body["param"] == param  # type: ignore[index]
+    too_many = [line(f"x{i}", chat_body(i)) for i in range(MAX_LINES + 1)]
+    refused = submit(oai, too_many)
+    assert refused.status == "failed" and refused.errors.data[0].code == "too_many_lines"  # type: ignore[union-attr]
+    with pytest.raises(openai.APIStatusError) as big:
+        oai.files.create(file=("big.jsonl", io.BytesIO(b"x" * (2 * 2**20))), purpose="batch")
+    assert big.value.status_code == 413 and big.value.body["param"] == "file"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as purpose:
+        oai.files.create(file=("in.jsonl", jsonl([])), purpose="nonsense")  # type: ignore[arg-type]
+    assert purpose.value.body["param"] == "purpose"  # type: ignore[index]
+
+
+def test_bad_message_batches_get_anthropic_errors_naming_the_request(server: LiveServer) -> None:
+    cases = [
+        ({"requests": []}, "requests"),
+        ({"requests": [{"custom_id": "a", "params": {}}, {"custom_id": "a", "params": {}}]}, "requests[1].custom_id"),
+        ({"requests": [{"custom_id": "has space", "params": {}}]}, "requests[0].custom_id"),
+        ({"requests": [{"custom_id": "a"}]}, "requests[0].params"),
+    ]
+    for body, param in cases:
+        reply = httpx.post(f"{server.base_url}/v1/messages/batches", json=body, headers={"x-api-key": KEY}, timeout=30)
+        assert reply.status_code == 400
+        assert reply.json()["type"] == "error" and reply.json()["error"]["type"] == "invalid_request_error"
+        assert param in reply.json()["error"]["message"]
+
+
+def test_a_key_sees_only_its_own_files_and_batches(oai: openai.OpenAI, server: LiveServer) -> None:
+    batch = submit(oai, [line("own", chat_body(3))])
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=OTHER_KEY, max_retries=0) as other:
+        with pytest.raises(openai.NotFoundError):
+            other.batches.retrieve(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            other.files.retrieve(batch.input_file_id)
+        assert batch.id not in [b.id for b in other.batches.list().data]
+        assert batch.input_file_id not in [f.id for f in other.files.list().data]
+    with anthropic.Anthropic(base_url=server.base_url, api_key=OTHER_KEY, max_retries=0) as other_claude, pytest.raises(anthropic.NotFoundError):
+        other_claude.messages.batches.retrieve(batch.id)
+    assert finished(oai, batch.id).status == "completed"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0).files.list()
+
+
+def met_batch(server: LiveServer, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "cli.main", "batch", *args, "--url", server.base_url, "--api-key", KEY]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "160"})
+
+
+def test_met_batch_submits_follows_and_fetches_both_kinds_of_batch_file(server: LiveServer, tmp_path: Path) -> None:
+    openai_file, anthropic_file = tmp_path / "openai.jsonl", tmp_path / "anthropic.jsonl"
+    openai_file.write_text("\n".join(json.dumps(line(f"cli-{i}", chat_body(i))) for i in range(6)))
+    anthropic_file.write_text("\n".join(json.dumps({"custom_id": f"a-{i}", "params": {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}}) for i in range(4)))
+    for path, count in ((openai_file, 6), (anthropic_file, 4)):
+        out = tmp_path / f"{path.stem}.results.jsonl"
+        run = met_batch(server, "submit", str(path), "--wait", "-o", str(out))
+        assert run.returncode == 0, run.stdout + run.stderr
+        batch_id = run.stdout.split()[0]
+        assert f"{count} result lines" in run.stdout
+        rows = [json.loads(x) for x in out.read_text().splitlines()]
+        assert len(rows) == count and len({r["custom_id"] for r in rows}) == count
+        shown = met_batch(server, "show", batch_id)
+        assert shown.returncode == 0 and batch_id in shown.stdout
+        again = tmp_path / "again.jsonl"
+        assert met_batch(server, "results", batch_id, "-o", str(again)).returncode == 0
+        assert sorted(again.read_text().splitlines()) == sorted(out.read_text().splitlines())
+        assert batch_id in met_batch(server, "list").stdout
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(line("x", {"model": "m"})))
+    refused = met_batch(server, "submit", str(bad))
+    assert refused.returncode == 1 and "line 1" in refused.stdout and "messages" in refused.stdout
