@@ -256,3 +256,16 @@ def test_met_batch_submits_follows_and_fetches_both_kinds_of_batch_file(server: 
     bad.write_text(json.dumps(line("x", {"model": "m"})))
     refused = met_batch(server, "submit", str(bad))
     assert refused.returncode == 1 and "line 1" in refused.stdout and "messages" in refused.stdout
+
+
+def test_a_batch_past_its_window_expires_keeping_what_finished(oai: openai.OpenAI, server: LiveServer) -> None:
+    batch = submit(oai, [line(f"e{i}", chat_body(i, max_tokens=40)) for i in range(80)])
+    wait_until("a line to finish", lambda: oai.batches.retrieve(batch.id).request_counts.completed >= 1)
+    r = server.redis()
+    key = f"met:batch:{{{batch.id}}}:doc"
+    doc = json.loads(r.get(key) or b"{}")
+    r.set(key, json.dumps({**doc, "expires_at": int(time.time()) - 1}), keepttl=True)  # the 24 h window has passed
+    done = wait_until("the batch to expire", lambda: (b := oai.batches.retrieve(batch.id)).status == "expired" and b)
+    kept, expired = file_lines(oai, done.output_file_id), file_lines(oai, done.error_file_id)
+    assert len(kept) == done.request_counts.completed >= 1 and len(kept) + len(expired) == 80
+    assert {r["error"]["code"] for r in expired} == {"batch_expired"} and done.expired_at
