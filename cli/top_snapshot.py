@@ -154,8 +154,8 @@ def resolve_redis_url(flag: str | None, settings: Settings) -> str | None:
 
 
 async def cancel(redis: Redis, request_id: str) -> None:
-    """Flag the request cancelled exactly as a disconnecting client does; its worker ends it."""
-    await set_cancel_flag(redis, request_id)
+    """Flag the request cancelled by the operator; its worker ends it with an error the client sees."""
+    await set_cancel_flag(redis, request_id, by_operator=True)
 
 
 # ---- the snapshot -------------------------------------------------------------------------------

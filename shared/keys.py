@@ -86,5 +86,10 @@ def request_keys(request_id: str) -> tuple[str, ...]:
 
 
 def cancel_flag(request_id: str) -> str:
-    """Present once the client is gone. Writer: encoders.wire on disconnect. Reader: workers.loop."""
+    """Present once the request is cancelled; its value says by whom (CLIENT_CANCEL, OPERATOR_CANCEL).
+    Writers: ingest.app on a client disconnect, `met top` (cli/top_snapshot.py). Reader: workers.loop."""
     return f"{_tag(request_id)}:cancel"
+
+
+CLIENT_CANCEL = b"1"  # the cancel flag's value when the client went away: nobody is told
+OPERATOR_CANCEL = b"operator"  # ... when an operator cancelled it: the client gets an error
