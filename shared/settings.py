@@ -55,6 +55,15 @@ class Settings:
     max_body_bytes: int = 32 * 2**20
     max_json_depth: int = 64
     response_ttl: int = 30 * 86400  # seconds a stored Responses-API response is kept (store=true)
+    log_format: str = "plain"  # plain (human lines) or json (one JSON object a line, for log shippers)
+    # Sampling defaults (models/generation.py): a request's value → these flags → the generation config.
+    generation_config: str = "auto"  # auto | none | a generation_config.json path
+    default_temperature: float | None = None
+    default_top_p: float | None = None
+    default_top_k: int | None = None
+    default_min_p: float | None = None
+    default_repetition_penalty: float | None = None
+    default_max_tokens: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:

@@ -107,6 +107,9 @@ class WorkerLoop:
     async def periodic(self) -> None:
         if not self.draining and self._every("reclaim", self.settings.lease_s / 2):
             await self.reclaim()
+        if self._every("forget dead", self.settings.heartbeat_ttl):
+            for worker in await leases.forget_dead_workers(self.redis, heartbeat_ttl=self.settings.heartbeat_ttl, lease_s=self.settings.lease_s):
+                log.info("worker %s is gone (no heartbeat, nothing pending): removed from the alive set", worker)
         if self._every("trim", TRIM_EVERY_S):
             await leases.trim_acknowledged(self.redis)
             await self.redis.zremrangebyscore(keys.REQUEST_INDEX, "-inf", time.time() - self.settings.dump_ttl)
