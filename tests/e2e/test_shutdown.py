@@ -13,6 +13,7 @@ import subprocess
 import sys
 import termios
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,19 @@ def children_of(redis_url: str) -> list[int]:
     return pids
 
 
+def running(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (a zombie waiting for its reaper has stopped running)."""
+    left = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            left.append(pid)
+    return left
+
+
 def stream_through_ctrl_c(base: str, ctrl_c: Callable[[], object]) -> tuple[str, str | None, int]:
     """Stream a completion, press Ctrl-C after a few chunks, read on to the end: (id, finish_reason, tokens)."""
     sdk = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -77,7 +91,7 @@ def assert_clean(log: str, request_id: str, leftovers: list[int]) -> None:
     # a terminal may put its echoed ^C in front of a line: each JSON object starts at its brace
     access = [orjson.loads(line[line.index("{") :]) for line in log.splitlines() if '"met.requests"' in line and request_id in line]
     assert [(a["logger"], a["status"], a["output_tokens"]) for a in access] == [("met.requests", "length", MAX_TOKENS)]
-    assert [pid for pid in leftovers if Path(f"/proc/{pid}").exists()] == []
+    assert running(leftovers) == []
 
 
 def test_ctrl_c_to_met_serves_process_group_lets_the_stream_finish(tmp_path: Path) -> None:
@@ -147,3 +161,23 @@ def test_ctrl_c_on_the_terminal_of_dev_serve_lets_the_stream_finish(tmp_path: Pa
         reader.join(10)
         os.close(master)
     assert_clean(output.decode(errors="replace").replace("\r\n", "\n"), request_id, children)
+
+
+def test_a_killed_supervisor_leaves_no_redis_server_or_worker_behind(tmp_path: Path) -> None:
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "cli.main", "serve", *serve_args(tmp_path, port)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_ready(proc, f"http://127.0.0.1:{port}", log_path)
+    children = children_of((tmp_path / "redis.url").read_text().strip())
+    proc.kill()  # no finally, no drain: only the children's parent-death signal is left
+    proc.wait()
+    for _ in range(600):  # each child gets SIGTERM and stops on its own (the worker drains first)
+        if not running(children):
+            break
+        time.sleep(0.1)
+    left = running(children)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
