@@ -220,6 +220,7 @@ class WorkerLoop:
                 self.stale_total += 1
                 self.engine.discard(rid)
                 self.held.pop(rid, None)
+                self.operator_cancels.discard(rid)
             elif terminal is not None:
                 outcome = self._outcome(terminal)
                 self._count(outcome)
