@@ -22,12 +22,13 @@ import typer
 from redis.asyncio import Redis
 
 from cli import top_snapshot
-from ingest.dump_reader import Listed, list_requests, load_record
+from ingest.dump_reader import Listed, ids_with_prefix, list_requests, load_record
 from shared.dumps import DumpRecord, display_status, generated_text, generated_token_ids, record_to_dict, record_to_line, terminal_label
 from shared.redact import redact_url
 from shared.settings import Settings
 
 STATUSES = ("queued", "running", "finished", "error", "cancelled", "expired")
+AMBIGUOUS_SHOWN = 10  # candidates `met dump show` lists for an ambiguous id prefix
 
 ATTACH_HELP = (
     "Without --redis-url it reads REDIS_URL / MET_REDIS_URL, else attaches to the local `met serve`'s embedded "
@@ -155,6 +156,22 @@ async def _load(url: str, ids: Sequence[str]) -> list[DumpRecord | None]:
         await redis.aclose()
 
 
+async def _load_by_prefix(url: str, id_or_prefix: str) -> tuple[DumpRecord | None, list[str]]:
+    """The record whose id is `id_or_prefix`, else the one recorded id it starts; with the candidates
+    when the prefix starts several (then no record)."""
+    redis = Redis.from_url(url)
+    try:
+        record = await load_record(redis, id_or_prefix)
+        if record is not None:
+            return record, [id_or_prefix]
+        candidates = await ids_with_prefix(redis, id_or_prefix, limit=AMBIGUOUS_SHOWN + 1) if id_or_prefix else []
+        if len(candidates) == 1:
+            return await load_record(redis, candidates[0]), candidates
+        return None, candidates
+    finally:
+        await redis.aclose()
+
+
 async def _list(url: str, *, since: float, limit: int, statuses: Sequence[str]) -> list[Listed]:
     redis = Redis.from_url(url)
     try:
@@ -186,14 +203,19 @@ def list_command(
 
 @app.command()
 def show(
-    request_id: Annotated[str, typer.Argument(help="The request id (the X-Request-Id header; chatcmpl-/msg_/resp_ ids without the prefix).")],
+    request_id: Annotated[str, typer.Argument(help="The request id or a unique prefix of it (the X-Request-Id header; chatcmpl-/msg_/resp_ ids without the prefix).")],
     json: Annotated[bool, typer.Option("--json", help="Print the whole dump record as JSON instead.")] = False,
     redis_url: RedisUrlOption = None,
     data_dir: DataDirOption = None,
 ) -> None:
-    """Show one request: status, outcome, worker, attempt, timings from receipt, tokens and the generated text."""
+    """Show one request (its id or a unique prefix of it): status, outcome, worker, attempt, timings from receipt, tokens and the generated text."""
     url = resolve_redis_url(redis_url, data_dir)
-    (record,) = asyncio.run(_load(url, [request_id]))
+    record, candidates = asyncio.run(_load_by_prefix(url, request_id))
+    if len(candidates) > 1:
+        shown = "\n".join(f"  {c}" for c in candidates[:AMBIGUOUS_SHOWN])
+        more = "\n  ... and more" if len(candidates) > AMBIGUOUS_SHOWN else ""
+        typer.echo(f"{request_id} is ambiguous; it starts these recorded requests:\n{shown}{more}", err=True)
+        raise typer.Exit(2)
     if record is None:
         typer.echo(f"No request {request_id} in {redact_url(url)} (never seen, or older than the dump TTL).", err=True)
         raise typer.Exit(1)

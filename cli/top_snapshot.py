@@ -125,18 +125,30 @@ class RequestDetail:
 
 @dataclass(slots=True)
 class ThroughputHistory:
-    """Summed decode tok/s per refresh over the last `window_s` seconds (the sparkline's data)."""
+    """Summed decode tok/s per refresh over the last `window_s` seconds (the sparkline's data). It holds
+    only what this `met top` saw (Redis keeps no throughput history), so until it has run for the whole
+    window its span is "since start", and `span_label` says so."""
 
     window_s: float = 300.0
     points: deque[tuple[float, float]] = field(default_factory=deque)
+    started: float | None = None
 
     def add(self, at: float, value: float) -> None:
+        if self.started is None:
+            self.started = at
         self.points.append((at, value))
         while self.points and self.points[0][0] < at - self.window_s:
             self.points.popleft()
 
     def values(self) -> list[float]:
         return [v for _, v in self.points]
+
+    def span_label(self, now: float) -> str:
+        """What the sparkline and its peak cover: the whole window, or only since this top started."""
+        seen = now - self.started if self.started is not None else 0.0
+        if seen >= self.window_s:
+            return f"last {int(self.window_s // 60)} min"
+        return f"since met top started, {int(seen // 60)}m{int(seen % 60):02d}s ago"
 
 
 def local_redis_url(settings: Settings) -> str | None:
@@ -154,8 +166,8 @@ def resolve_redis_url(flag: str | None, settings: Settings) -> str | None:
 
 
 async def cancel(redis: Redis, request_id: str) -> None:
-    """Flag the request cancelled exactly as a disconnecting client does; its worker ends it."""
-    await set_cancel_flag(redis, request_id)
+    """Flag the request cancelled by the operator; its worker ends it with an error the client sees."""
+    await set_cancel_flag(redis, request_id, by_operator=True)
 
 
 # ---- the snapshot -------------------------------------------------------------------------------

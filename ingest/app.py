@@ -130,9 +130,9 @@ class Api:
             log.error("redis unavailable: %s", type(exc).__name__)
             raise ApiError("The request queue is unavailable; try again shortly.", status=503, kind="unavailable", code="queue_unavailable") from None
 
-    def deltas(self, request: Request) -> Any:
+    def deltas(self, request: Request, http: HttpRequest) -> Any:
         deadline = request.created + self.settings.request_timeout + 30
-        return self.metrics.observe(tail(self.redis, request.id, deadline=deadline), request)
+        return self.metrics.observe(tail(self.redis, request.id, deadline=deadline), request, client=http.client_ip)
 
     def client_link(self, http: HttpRequest, request: Request) -> ClientLink:
         async def abandon() -> None:
@@ -154,7 +154,7 @@ class Api:
         )
 
     async def collect(self, http: HttpRequest, request: Request) -> list[StreamDelta]:
-        return await collect(self.deltas(request), client=self.client_link(http, request))
+        return await collect(self.deltas(request, http), client=self.client_link(http, request))
 
     # ---- routes -------------------------------------------------------------------------------
 
@@ -208,7 +208,7 @@ class Api:
         await self.publish(parts)
         if request.stream:
             encoder = surface.stream_encoder(request)
-            deltas = self.deltas(request) if store is None else _recording(self.deltas(request), partial(store, request))
+            deltas = self.deltas(request, http) if store is None else _recording(self.deltas(request, http), partial(store, request))
             return self.stream(http, request, encoder, ping=surface.ping(encoder), deltas=deltas)
         collected = await asyncio.gather(*(self.collect(http, part) for part in parts))
         accs = []

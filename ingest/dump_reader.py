@@ -7,6 +7,7 @@ Must not: write anything, or know the dump file format (shared.dumps does).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from shared.codec import decode_delta, decode_request
 from shared.dumps import DumpRecord, display_status, parse_meta
 
 PAGE = 200
+_GLOB_SPECIAL = re.compile(r"[\\*?\[\]]")  # escaped so an id prefix matches literally in ZSCAN MATCH
 
 
 async def load_record(redis: Redis, request_id: str) -> DumpRecord | None:
@@ -32,6 +34,18 @@ async def load_record(redis: Redis, request_id: str) -> DumpRecord | None:
     # The stream's creation marker (no `d` field) is trimmed at once, but skip anything without a delta.
     deltas = tuple(decode_delta(fields[b"d"]) for _entry_id, fields in entries if b"d" in fields)
     return DumpRecord(id=request_id, request=decode_request(raw_request), deltas=deltas, meta=parse_meta(raw_meta))
+
+
+async def ids_with_prefix(redis: Redis, prefix: str, *, limit: int = 20) -> list[str]:
+    """Recorded request ids (from the time index) that start with `prefix`, sorted, at most `limit`
+    (enough to tell a unique prefix from an ambiguous one and to list the candidates)."""
+    pattern = _GLOB_SPECIAL.sub(lambda m: "\\" + m.group(0), prefix) + "*"
+    found: set[str] = set()
+    async for member, _score in redis.zscan_iter(keys.REQUEST_INDEX, match=pattern, count=1000):
+        found.add(_text(member))
+        if len(found) >= limit:
+            break
+    return sorted(found)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ Owns: one `CollectorRegistry` per app (never the global default registry), holdi
 - what this API node observes from the delta streams it tails (streaming and not): requests by
   protocol and finish reason, prompt / generation tokens, time to first token, inter-token latency,
   end-to-end latency, queue time (`claimed_at - received_at` from the request's meta hash), and HTTP
-  errors by status. Several API nodes each expose their own; Prometheus sums them.
+  errors by status; and, beside them, each finished request's access-log line (ingest/request_log.py). Several API nodes each expose their own; Prometheus sums them.
 - cluster figures read from Redis at scrape time (`ClusterCollector`): requests running / waiting
   and KV-cache usage summed over live workers' heartbeat hashes, live worker count, accepted-but-
   unfinished requests, dead letters. The async read happens in `render()`, just before the
@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from ingest.request_log import RequestTiming, log_finished
 from shared import keys
 from shared.deltas import Error, Finish, StreamDelta, is_terminal
 from shared.ir import Request
@@ -132,23 +133,29 @@ class Metrics:
     def http_error(self, status: int) -> None:
         self.http_errors.labels(str(status)).inc()
 
-    async def observe(self, deltas: AsyncIterator[StreamDelta | None], request: Request) -> AsyncIterator[StreamDelta | None]:
-        """Pass `deltas` through unchanged, timing them; a stream left before its terminal event counts as 'abandoned'."""
+    async def observe(self, deltas: AsyncIterator[StreamDelta | None], request: Request, *, client: str = "") -> AsyncIterator[StreamDelta | None]:
+        """Pass `deltas` through unchanged, timing them; a stream left before its terminal event counts as
+        'abandoned'. Either way the request's access-log line is written (ingest/request_log.py)."""
         last: float | None = None
-        finished = False
+        timing = RequestTiming(client=client)
+        terminal: StreamDelta | None = None
         try:
             async for delta in deltas:
                 if delta is not None:
                     now = time.time()
                     if is_terminal(delta):
-                        finished = True
+                        terminal = delta
+                        log_finished(request, delta, timing, now=now)
                         await self._finish(request, delta, now)
                     else:
+                        timing.output_tokens += len(getattr(delta, "token_ids", ()))
                         last = self._token(request, delta, now, last)
+                        timing.first_at = timing.first_at or now
                 yield delta
         finally:
-            if not finished:
+            if terminal is None:
                 self.requests.labels(request.protocol.value, "abandoned").inc()
+                log_finished(request, None, timing, now=time.time())
 
     def _token(self, request: Request, delta: StreamDelta, now: float, last: float | None) -> float:
         if last is None:

@@ -72,5 +72,7 @@ async def release(redis: Redis, count: int) -> None:
     await redis.decrby(keys.INFLIGHT, count)
 
 
-async def cancel(redis: Redis, request_id: str) -> None:
-    await redis.set(keys.cancel_flag(request_id), b"1", ex=CANCEL_TTL)
+async def cancel(redis: Redis, request_id: str, *, by_operator: bool = False) -> None:
+    """Flag the request cancelled. A disconnected client's cancel ends it quietly (nobody is left to
+    tell); an operator's (`met top`, `c`) ends it with an error the client sees (shared/deltas.py)."""
+    await redis.set(keys.cancel_flag(request_id), keys.OPERATOR_CANCEL if by_operator else keys.CLIENT_CANCEL, ex=CANCEL_TTL)

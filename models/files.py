@@ -8,12 +8,17 @@ concurrent workers from converting twice. Nothing is ever downloaded (`HF_HUB_OF
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import sys
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,20 +88,51 @@ def local_folder(spec: str, cache_dir: str) -> tuple[str, Path]:
 
 
 def _convert_gguf(source: ModelSource, target: Path) -> None:
+    """Dequantize the GGUF into a safetensors folder, saying so once: the progress bars and the
+    dtype notices transformers prints while reading a GGUF are not the user's business."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert source.gguf is not None
+    print(f"Converting the model {source.name} once (about a minute); later starts reuse {target}", file=sys.stderr, flush=True)
     folder, filename = str(source.gguf.parent), source.gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
-    model: Any = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.bfloat16)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
     tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    with _quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+        model: Any = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.bfloat16)
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     os.replace(tmp, target)
+    print("Model converted.", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No progress bars, notices or Python warnings from transformers while converting. Its GGUF
+    reader draws its bar with `tqdm` directly (not through transformers' switchable one), so that
+    module's `tqdm` is swapped for a disabled one for the duration."""
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    hf_logging = transformers.utils.logging
+    verbosity = hf_logging.get_verbosity()
+    bar = getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
 
 
 def context_length(folder: Path) -> int:

@@ -24,15 +24,13 @@ from typing import Any
 
 from shared.ir import Message, Request, Role, ToolSpec
 
-_GEN_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     name: str
     max_model_len: int
     eos_token_ids: tuple[int, ...]
-    sampling_defaults: dict[str, float | int]
+    sampling_defaults: dict[str, float | int]  # the folder's generation config; then the operator's (models/generation.py)
     vision: bool = False
 
 
@@ -47,6 +45,7 @@ class PromptRenderer:
         from transformers import AutoTokenizer
 
         from models.files import context_length
+        from models.generation import generation_fields
 
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
         gen_path = folder / "generation_config.json"
@@ -60,7 +59,7 @@ class PromptRenderer:
             name=name,
             max_model_len=min(context, max_model_len) if max_model_len else context,
             eos_token_ids=tuple(sorted(eos_ids)),
-            sampling_defaults={k: gen[k] for k in _GEN_KEYS if isinstance(gen.get(k), (int, float)) and gen.get("do_sample", True)},
+            sampling_defaults=generation_fields(gen),
         )
         return cls(tokenizer, info)
 

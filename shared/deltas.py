@@ -29,6 +29,27 @@ class FinishReason(enum.StrEnum):
 
     CANCELLED only reaches clients that are gone or that replay a dump; TIMEOUT is the per-request
     deadline, reported like a length cut since no protocol has a better word for it.
+
+    A cancel has two sources, told apart by the cancel flag's value (shared/keys.py). A client that
+    disconnected gets the quiet CANCELLED finish above, which reaches nobody. An operator's cancel
+    (`met top`, `c`) is something the still-connected client must see as what it is, so the worker
+    ends the request with `Error(kind=INTERNAL, message="...cancelled by the server's operator.")`,
+    the same terminal shape as a server-side timeout with no worker finishing (`Error(kind=TIMEOUT)`,
+    encoders/wire.py). Each protocol shows an Error thus (the official SDKs raise on each):
+
+    ======================= ============================================== =========================
+    OpenAI chat             Anthropic                                      Responses
+    ======================= ============================================== =========================
+    stream: a chunk         stream: ``event: error``,                      stream: ``response.failed``
+    ``{"error": {message,   ``{"type":"error","error":{"type":"api_error", (status ``failed``,
+    type: "api_error"}}``   "message"}}``; non-stream: HTTP 500 with that  ``error.code``
+    then ``[DONE]``;        body                                           ``server_error``); no
+    non-stream: HTTP 500                                                   stream: HTTP 500 error
+    ``{"error": {...}}``                                                   body
+    ======================= ============================================== =========================
+
+    Responses' ``response.incomplete`` is not used for it: its only reasons are ``max_output_tokens``
+    and ``content_filter``, neither of which is true of a cancel.
     """
 
     STOP = "stop"

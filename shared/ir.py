@@ -79,9 +79,12 @@ class ToolSpec:
 class SamplingParams:
     """Per-request sampling. `None` means "not given": resolved once by `resolve()` with this precedence:
 
-    request value → the model's generation config → the fallback written in `FALLBACK`.
-    After resolution no field is None except `seed` (None = nondeterministic) and `max_tokens`
-    (None = up to the context length).
+    request value → the operator's `--default-*` flags → the generation config (`--generation-config`:
+    the model folder's generation_config.json, or the defaults shipped for the default model) → the
+    fallback written in `FALLBACK`. The two middle layers arrive merged as one mapping
+    (models/generation.py `sampling_defaults`). After resolution no field is None except `seed`
+    (None = nondeterministic) and `max_tokens` (None = up to the context length, unless the operator
+    set `--default-max-tokens`).
     """
 
     temperature: float | None = None
@@ -116,13 +119,16 @@ FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetit
 
 
 def resolve(params: SamplingParams, model_defaults: dict[str, float | int]) -> SamplingParams:
-    """Fill every unset sampling field: request → model generation config → FALLBACK."""
+    """Fill every unset sampling field: request → operator flags → generation config (both in
+    `model_defaults`) → FALLBACK."""
     from dataclasses import replace
 
     filled: dict[str, Any] = {}
     for name, fallback in FALLBACK.items():
         if getattr(params, name) is None:
             filled[name] = model_defaults.get(name, fallback)
+    if params.max_tokens is None and model_defaults.get("max_tokens") is not None:
+        filled["max_tokens"] = int(model_defaults["max_tokens"])
     return replace(params, **filled) if filled else params
 
 

@@ -86,7 +86,8 @@ def request_keys(request_id: str) -> tuple[str, ...]:
 
 
 def cancel_flag(request_id: str) -> str:
-    """Present once the client is gone. Writer: encoders.wire on disconnect. Reader: workers.loop."""
+    """Present once the request is cancelled; its value says by whom (CLIENT_CANCEL, OPERATOR_CANCEL).
+    Writers: ingest.app on a client disconnect, `met top` (cli/top_snapshot.py). Reader: workers.loop."""
     return f"{_tag(request_id)}:cancel"
 
 
@@ -149,3 +150,5 @@ def batches_of(owner: str) -> str:
 # Batches not yet ended (set of ids). Writers: the create route (SADD), the dispatcher (SREM at the end).
 # Readers: every API node's dispatcher (which one takes a batch is decided by `batch_lease`), the TUI.
 BATCHES_ACTIVE = f"{PREFIX}:batches:active"
+CLIENT_CANCEL = b"1"  # the cancel flag's value when the client went away: nobody is told
+OPERATOR_CANCEL = b"operator"  # ... when an operator cancelled it: the client gets an error

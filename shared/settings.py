@@ -60,6 +60,15 @@ class Settings:
     batch_max_inflight: int = 16  # lines of one batch queued or running at once (interactive traffic keeps its latency)
     batch_priority: int = 10  # scheduler priority of batch lines (interactive requests default to 0: lower runs sooner)
     batch_retention: int = 29 * 86400  # seconds files, batches and their results are kept (Anthropic keeps results 29 days)
+    log_format: str = "plain"  # plain (human lines) or json (one JSON object a line, for log shippers)
+    # Sampling defaults (models/generation.py): a request's value → these flags → the generation config.
+    generation_config: str = "auto"  # auto | none | a generation_config.json path
+    default_temperature: float | None = None
+    default_top_p: float | None = None
+    default_top_k: int | None = None
+    default_min_p: float | None = None
+    default_repetition_penalty: float | None = None
+    default_max_tokens: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:

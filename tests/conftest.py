@@ -48,10 +48,17 @@ def start_server(data_dir: Path, *args: str, ready_timeout: float = 240.0, env: 
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
+    wait_ready(proc, base, log_path, ready_timeout=ready_timeout, workers_ready=workers_ready)
+    redis_url = (data_dir / "redis.url").read_text().strip()
+    return LiveServer(base_url=base, redis_url=redis_url, proc=proc, data_dir=data_dir, log_path=log_path)
+
+
+def wait_ready(proc: subprocess.Popen[bytes], base: str, log_path: Path, *, ready_timeout: float = 240.0, workers_ready: int = 1) -> None:
+    """Wait until the server at `base` answers /ready with `workers_ready` live workers (fail if it exits)."""
     end = time.monotonic() + ready_timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
-            pytest.fail(f"met serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            pytest.fail(f"met serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:] if log_path.exists() else ''}")
         try:
             ready = httpx.get(f"{base}/ready", timeout=2)
             if ready.status_code == 200 and ready.json()["workers"] >= workers_ready:
@@ -61,9 +68,7 @@ def start_server(data_dir: Path, *args: str, ready_timeout: float = 240.0, env: 
         time.sleep(0.25)
     else:
         proc.kill()
-        pytest.fail(f"met serve was not ready in {ready_timeout}s:\n{log_path.read_text()[-4000:]}")
-    redis_url = (data_dir / "redis.url").read_text().strip()
-    return LiveServer(base_url=base, redis_url=redis_url, proc=proc, data_dir=data_dir, log_path=log_path)
+        pytest.fail(f"met serve was not ready in {ready_timeout}s:\n{log_path.read_text()[-4000:] if log_path.exists() else ''}")
 
 
 def stop_server(server: LiveServer) -> None:

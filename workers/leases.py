@@ -77,6 +77,31 @@ async def reclaim_idle(redis: Redis, consumer: str, *, count: int, lease_s: floa
     return [Claimed(eid, fields, deliveries.get(eid, 1)) for eid, fields in claimed]
 
 
+async def forget_dead_workers(redis: Redis, *, heartbeat_ttl: float, lease_s: float) -> list[str]:
+    """Drop the workers whose heartbeat lapsed from the alive set (what `met top` lists) and from the
+    consumer group, once nothing is pending under their name (their requests were reclaimed), or once
+    their heartbeat is long expired (ten leases: a pending entry that old is reclaimed by then anyway).
+    Returns the ids dropped."""
+    now = time.time()
+    stale: Any = await redis.zrangebyscore(keys.WORKERS_ALIVE, "-inf", now - heartbeat_ttl, withscores=True)
+    if not stale:
+        return []
+    try:
+        consumers: Any = await redis.xinfo_consumers(keys.REQUEST_STREAM, keys.WORKER_GROUP)
+    except ResponseError:  # no stream or group yet
+        consumers = []
+    pending = {_text(c["name"]): int(c["pending"]) for c in consumers}
+    gone = [_text(w) for w, beat in stale if not pending.get(_text(w)) or now - float(beat) > heartbeat_ttl + 10 * lease_s]
+    if gone:
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(keys.WORKERS_ALIVE, *gone)
+            for worker in gone:
+                if not pending.get(worker):  # a consumer with pending entries keeps them until reclaimed
+                    pipe.xgroup_delconsumer(keys.REQUEST_STREAM, keys.WORKER_GROUP, worker)
+            await pipe.execute(raise_on_error=False)
+    return gone
+
+
 async def _delivery_counts(redis: Redis, entry_ids: list[str]) -> dict[str, int]:
     counts: dict[str, int] = {}
     async with redis.pipeline(transaction=False) as pipe:

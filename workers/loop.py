@@ -17,7 +17,7 @@ import os
 import socket
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from redis.asyncio import Redis
@@ -32,6 +32,7 @@ from workers.engine import Emission, Engine
 
 log = logging.getLogger(__name__)
 TRIM_EVERY_S = 60.0
+OPERATOR_CANCEL_MESSAGE = "The request was cancelled by the server's operator."
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,7 @@ class WorkerLoop:
         self.held: dict[str, Held] = {}
         self.finished_total = 0
         self.cancelled_total = 0
+        self.operator_cancels: set[str] = set()  # requests an operator cancelled, until their Error is written
         self.stale_total = 0
         self._fenced = redis.register_script(leases.FENCED_WRITE)
         self._due: dict[str, float] = defaultdict(float)
@@ -105,6 +107,9 @@ class WorkerLoop:
     async def periodic(self) -> None:
         if not self.draining and self._every("reclaim", self.settings.lease_s / 2):
             await self.reclaim()
+        if self._every("forget dead", self.settings.heartbeat_ttl):
+            for worker in await leases.forget_dead_workers(self.redis, heartbeat_ttl=self.settings.heartbeat_ttl, lease_s=self.settings.lease_s):
+                log.info("worker %s is gone (no heartbeat, nothing pending): removed from the alive set", worker)
         if self._every("trim", TRIM_EVERY_S):
             await leases.trim_acknowledged(self.redis)
             await self.redis.zremrangebyscore(keys.REQUEST_INDEX, "-inf", time.time() - self.settings.dump_ttl)
@@ -145,9 +150,11 @@ class WorkerLoop:
         if claimed.deliveries > self.settings.max_deliveries:
             await self.dead_letter(request, claimed)
             return
-        if await self.redis.exists(keys.cancel_flag(request.id)):
+        flag = await self.redis.get(keys.cancel_flag(request.id))
+        if flag is not None:
             usage = Usage(prompt_tokens=len(request.prompt_token_ids))
-            await self.publish([Emission(request.id, Finish(reason=FinishReason.CANCELLED, usage=usage, attempt=attempt))])
+            cancelled = Emission(request.id, Finish(reason=FinishReason.CANCELLED, usage=usage, attempt=attempt))
+            await self.publish([self._as_cancel(cancelled, flag)])
             return
         if self.settings.crash_on and self.settings.crash_on in request.raw_body:
             log.critical("fault injection: exiting hard on request %s (crash_on)", request.id)
@@ -175,13 +182,21 @@ class WorkerLoop:
             return
         async with self.redis.pipeline(transaction=False) as pipe:
             for rid in active:
-                pipe.exists(keys.cancel_flag(rid))
+                pipe.get(keys.cancel_flag(rid))
             flags = await pipe.execute()
         emissions: list[Emission] = []
         for rid, flag in zip(active, flags, strict=True):
-            if flag:
-                emissions.extend(self.engine.cancel(rid))
+            if flag is not None:
+                emissions.extend(self._as_cancel(e, flag) for e in self.engine.cancel(rid))
         await self.publish(emissions)
+
+    def _as_cancel(self, emission: Emission, flag: bytes | str) -> Emission:
+        """An operator's cancel reaches the client as an Error (a client that went away gets the quiet
+        CANCELLED finish, which nobody reads): see the table in shared/deltas.py."""
+        if flag not in (keys.OPERATOR_CANCEL, keys.OPERATOR_CANCEL.decode()) or not emission.terminal:
+            return emission
+        self.operator_cancels.add(emission.request_id)
+        return replace(emission, delta=Error(message=OPERATOR_CANCEL_MESSAGE, kind=ErrorKind.INTERNAL, attempt=emission.delta.attempt))
 
     async def publish(self, emissions: list[Emission]) -> None:
         """Write each request's deltas through the fenced script; ack the ones that ended."""
@@ -195,7 +210,7 @@ class WorkerLoop:
         async with self.redis.pipeline(transaction=False) as pipe:
             for rid in rids:
                 terminal = next((e for e in by_request[rid] if e.terminal), None)
-                args: list[Any] = [self.held[rid].attempt, self.settings.dump_ttl, _outcome(terminal.delta) if terminal else "", now, terminal.batch_max if terminal else 0]
+                args: list[Any] = [self.held[rid].attempt, self.settings.dump_ttl, self._outcome(terminal), now, terminal.batch_max if terminal else 0]
                 await self._fenced(keys=list(_script_keys(rid)), args=[*args, *(encode_delta(e.delta) for e in by_request[rid])], client=pipe)
             results = await pipe.execute()
         for rid, written in zip(rids, results, strict=True):
@@ -205,13 +220,21 @@ class WorkerLoop:
                 self.stale_total += 1
                 self.engine.discard(rid)
                 self.held.pop(rid, None)
+                self.operator_cancels.discard(rid)
             elif terminal is not None:
-                self._count(terminal.delta)
-                await self._forget(rid, ack=True, outcome=_outcome(terminal.delta))
+                outcome = self._outcome(terminal)
+                self._count(outcome)
+                self.operator_cancels.discard(rid)
+                await self._forget(rid, ack=True, outcome=outcome)
 
-    def _count(self, delta: StreamDelta) -> None:
+    def _outcome(self, terminal: Emission | None) -> str:
+        if terminal is None:
+            return ""
+        return FinishReason.CANCELLED.value if terminal.request_id in self.operator_cancels else _outcome(terminal.delta)
+
+    def _count(self, outcome: str) -> None:
         self.finished_total += 1
-        if isinstance(delta, Finish) and delta.reason is FinishReason.CANCELLED:
+        if outcome == FinishReason.CANCELLED.value:
             self.cancelled_total += 1
 
     async def _forget(self, rid: str, *, ack: bool, outcome: str | None = None) -> None:

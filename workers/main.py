@@ -8,10 +8,12 @@ import os
 import secrets
 import signal
 import socket
+from dataclasses import replace
 
 from redis.asyncio import Redis
 
 from models.files import local_folder
+from models.generation import sampling_defaults
 from models.prompt import PromptRenderer
 from shared.settings import Settings
 from workers.engine import Engine
@@ -25,6 +27,8 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
 
     name, folder = local_folder(settings.model, settings.model_cache)
     renderer = PromptRenderer.load(folder, name=name, max_model_len=settings.max_model_len)
+    renderer.info = replace(renderer.info, sampling_defaults=sampling_defaults(settings, renderer.info.sampling_defaults))
+    log.info("sampling defaults (a request's own values win): %s", renderer.info.sampling_defaults or "none (fallback)")
     device, dtype = pick_device(settings.device), pick_dtype(settings.dtype)
     model = load_model(folder, device=device, dtype=dtype)
     runner = TorchRunner(

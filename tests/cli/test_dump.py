@@ -7,6 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from shared import keys
 from shared.dumps import read_records
 
 from ..conftest import LiveServer
@@ -81,3 +82,24 @@ def test_export_of_an_unknown_id_fails_but_writes_the_rest(recorded: Recorded, l
     result = met("dump", "export", recorded.ids[0], "no-such-request", "-o", str(out), "--redis-url", live_server.redis_url)
     assert result.exit_code == 1 and "no-such-request" in result.output
     assert [r.id for r in read_records(out.read_bytes().splitlines())] == [recorded.ids[0]]
+
+
+def test_show_accepts_a_unique_prefix_of_an_id(live_server: LiveServer) -> None:
+    request_id, _ = send(live_server, "openai_chat", {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    shown = met("dump", "show", request_id[:10], "--json", "--redis-url", live_server.redis_url)
+    assert shown.exit_code == 0, shown.output
+    assert orjson.loads(shown.output)["id"] == request_id
+
+
+def test_show_of_an_ambiguous_prefix_lists_the_candidates_and_fails(redis_server: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(redis_server)
+    client.zadd(keys.REQUEST_INDEX, {"feed01aa": 1.0, "feed02bb": 2.0, "f*x": 3.0, "other": 4.0})
+    client.close()
+    ambiguous = met("dump", "show", "feed0", "--redis-url", redis_server)
+    assert ambiguous.exit_code == 2
+    assert "ambiguous" in ambiguous.output and "feed01aa" in ambiguous.output and "feed02bb" in ambiguous.output
+    assert "other" not in ambiguous.output
+    literal = met("dump", "show", "f*", "--redis-url", redis_server)  # a glob character in a prefix matches only itself
+    assert literal.exit_code == 1 and "feed01aa" not in literal.output

@@ -25,7 +25,7 @@ from textual.widgets import Static
 
 from cli.embedded_redis import free_port
 from cli.top import RequestScreen, TopApp
-from cli.top_snapshot import Snapshot
+from cli.top_snapshot import Snapshot, ThroughputHistory
 from shared import keys
 from shared.codec import encode_delta
 from shared.deltas import Content
@@ -100,7 +100,7 @@ async def test_the_dashboard_marks_a_dead_worker_opens_a_request_cancels_it_paus
         assert text_of(app, "#text") == "Bonjour"
         await pilot.press("c")
         await pilot.pause(0.3)
-        assert await redis.get(keys.cancel_flag("req-1")) == b"1"
+        assert await redis.get(keys.cancel_flag("req-1")) == keys.OPERATOR_CANCEL  # the client is told (shared/deltas.py)
         await pilot.press("escape")
         assert not isinstance(app.screen, RequestScreen)
 
@@ -115,6 +115,46 @@ async def test_the_dashboard_marks_a_dead_worker_opens_a_request_cancels_it_paus
         await pilot.press("q")
         await pilot.pause()
     assert app.return_code == 0
+
+
+async def test_the_tables_fit_140_columns_also_after_a_request_view(handmade: tuple[str, Redis]) -> None:
+    url, redis = handmade
+    now = time.time()
+    worker = "a-rather-long-container-hostname-1234567-beef"  # <host>-<pid>-<hex>, as workers name themselves
+    await add_worker(redis, worker, heartbeat=now, running=30, waiting=12, decode_tps=1234.5, prefill_tps=98765.4, kv_used_tokens=98304, kv_total_tokens=131072)
+    await redis.hset(keys.worker_info(worker), mapping={"model": "SmolLM2-135M-Instruct-with-a-long-suffix", "device": "cuda:0"})
+    for i in range(3):
+        rid = f"0123456789abcdef01234{i:03d}"
+        await submit(redis, rid, status="running", received_at=now - 4, worker=worker, first_token_at=now - 1, client="2001:db8:85a3::8a2e:370:7334")
+        await redis.xadd(keys.delta_stream(rid), {"d": encode_delta(Content(text="A long streamed text. " * 40, token_ids=(5,) * 400))})
+    app = TopApp(url, settings=Settings.from_env({}))
+
+    def widths() -> list[int]:
+        return [app.query_one(table).virtual_size.width for table in ("#workers", "#requests")]
+
+    async with app.run_test(size=(140, 40)) as pilot:
+        await wait_for(pilot, app, lambda s: len(s.active) == 3 and len(s.workers) == 1)
+        await pilot.pause(0.3)
+        assert max(widths()) <= 140, widths()
+        await pilot.press("enter")
+        await pilot.pause(1.5)
+        assert isinstance(app.screen, RequestScreen)
+        await pilot.press("escape")
+        taken = app.snapshot.taken_at if app.snapshot else 0
+        await wait_for(pilot, app, lambda s: s.taken_at > taken)
+        await pilot.pause(0.3)
+        assert not isinstance(app.screen, RequestScreen)
+        assert max(widths()) <= 140, widths()
+        assert "since met top started" in text_of(app, "#spark-label")  # its peak covers only what it saw
+        await pilot.press("q")
+
+
+def test_the_sparkline_says_last_5_min_only_once_it_has_seen_them() -> None:
+    history = ThroughputHistory()
+    history.add(1000.0, 5.0)
+    assert history.span_label(1000.0 + 61) == "since met top started, 1m01s ago"
+    history.add(1000.0 + 300, 7.0)
+    assert history.span_label(1000.0 + 300) == "last 5 min"
 
 
 async def test_the_redis_password_is_never_shown_even_when_redis_is_unreachable() -> None:

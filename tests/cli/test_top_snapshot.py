@@ -160,10 +160,10 @@ async def test_a_request_detail_has_its_prompt_head_its_text_so_far_and_its_timi
     assert timings["total"] == pytest.approx(2.0, abs=0.01)
 
 
-async def test_cancel_sets_the_flag_a_worker_checks(redis: Redis) -> None:
+async def test_cancel_sets_the_flag_a_worker_checks_marked_as_the_operators(redis: Redis) -> None:
     await cancel(redis, "r2")
 
-    assert await redis.get(keys.cancel_flag("r2")) == b"1"
+    assert await redis.get(keys.cancel_flag("r2")) == keys.OPERATOR_CANCEL  # not a client's quiet cancel
     assert 0 < await redis.ttl(keys.cancel_flag("r2")) <= 3600
     assert (await take_request_detail(redis, "r2")).cancel_requested
 

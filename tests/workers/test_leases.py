@@ -101,3 +101,26 @@ def test_trimming_keeps_everything_pending_or_undelivered(redis_server: str) -> 
         assert claimed[1].entry_id in remaining and len(remaining) == 3  # pending + two never delivered
 
     run(redis_server, body)
+
+
+def test_a_dead_worker_leaves_the_alive_set_once_its_requests_are_reclaimed(redis_server: str) -> None:
+    async def body(redis: Redis) -> None:
+        await redis.delete(keys.WORKERS_ALIVE)
+        request = make_request(f"orphan-{time.monotonic_ns()}")
+        await submit(redis, request)
+        await submit(redis, make_request(f"orphan-ancient-{time.monotonic_ns()}"))
+        await leases.claim_new(redis, "dead-holding", count=1, block_ms=None)  # then it died holding the request
+        now = time.time()
+        await redis.zadd(keys.WORKERS_ALIVE, {"dead-holding": now - 30, "dead-idle": now - 30, "ancient": now - 10_000, "live": now})
+        await leases.claim_new(redis, "ancient", count=1, block_ms=None)  # holds one too, but died long ago
+        gone = await leases.forget_dead_workers(redis, heartbeat_ttl=10, lease_s=10)
+        assert sorted(gone) == ["ancient", "dead-idle"]
+        members = {m.decode() for m in await redis.zrange(keys.WORKERS_ALIVE, 0, -1)}
+        assert members == {"dead-holding", "live"}
+        await leases.reclaim_idle(redis, "live", count=10, lease_s=0)  # a live worker takes the request over
+        assert await leases.forget_dead_workers(redis, heartbeat_ttl=10, lease_s=10) == ["dead-holding"]
+        assert {m.decode() for m in await redis.zrange(keys.WORKERS_ALIVE, 0, -1)} == {"live"}
+        consumers = {c["name"].decode() for c in await redis.xinfo_consumers(keys.REQUEST_STREAM, keys.WORKER_GROUP)}
+        assert "dead-idle" not in consumers and "dead-holding" not in consumers
+
+    run(redis_server, body)
