@@ -198,3 +198,22 @@ def test_special_token_text_in_a_user_message_reaches_the_worker_as_text(server:
         request = decode_request(r.get(keys.request_ir(request_id)) or b"")
     ids = list(request.prompt_token_ids)
     assert (ids.count(1), ids.count(2)) == (3, 2)  # <|im_start|>, <|im_end|>: default system, user, generation prompt
+
+
+def test_prefix_cache_counters_count_a_repeated_prompt_as_hits(server: LiveServer) -> None:
+    before = scrape(server)
+    body = {**CHAT, "messages": [{"role": "user", "content": "Spell the word cache, one letter a line, twice over."}], "max_tokens": 2}
+    first = patiently(server, "/v1/chat/completions", body)
+    second = patiently(server, "/v1/chat/completions", body)
+    assert first.status_code == second.status_code == 200
+    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 16 and cached % 16 == 0 and cached < second.json()["usage"]["prompt_tokens"]
+    after = scrape(server)
+    for _ in range(100):  # the worker's figures reach /metrics with its next heartbeat
+        if total(after, "met_prefix_cache_hits_total") >= total(before, "met_prefix_cache_hits_total") + cached:
+            break
+        time.sleep(0.1)
+        after = scrape(server)
+    assert total(after, "met_prefix_cache_hits_total") >= total(before, "met_prefix_cache_hits_total") + cached
+    assert total(after, "met_prefix_cache_queries_total") >= total(before, "met_prefix_cache_queries_total") + 2 * first.json()["usage"]["prompt_tokens"]
+    assert total(after, "met_prefix_cache_queries_total") >= total(after, "met_prefix_cache_hits_total")
