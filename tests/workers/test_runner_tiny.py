@@ -129,3 +129,31 @@ def test_sequences_preempted_when_the_pool_runs_out_resume_token_identical() -> 
                 tokens[e.request_id].extend(e.delta.token_ids)
     assert engine.scheduler.preemptions >= 1
     assert tokens == alone
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_each_llama_family_model_runs_on_the_paged_path_with_the_output_of_its_own_forward(family: str) -> None:
+    import transformers
+
+    config_class = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}[family]
+    model_class = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[family]
+    torch.manual_seed(2)
+    config = getattr(transformers, config_class)(
+        vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    )
+    model = getattr(transformers, model_class)(config).eval()
+    prompts = [[(i * 7 + k) % 250 + 1 for i in range(n)] for k, n in enumerate((5, 21, 40))]  # partial, past one block, past two
+    requests = [replace(make_request(f"f{k}", max_tokens=12, ignore_eos=True, temperature=0.0), prompt_token_ids=tuple(p)) for k, p in enumerate(prompts)]
+    together = run(model, requests)
+    for r, prompt in zip(requests, prompts, strict=True):
+        assert together[r.id] == own_greedy(model, prompt, 12), (family, r.id)
+
+
+@torch.inference_mode()
+def own_greedy(model: object, prompt: list[int], n: int) -> list[int]:
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)  # type: ignore[operator]
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(n - 1):
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)  # type: ignore[operator]
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
