@@ -95,10 +95,10 @@ def test_tokens_per_minute_count_the_prompt_and_max_tokens_and_recover(server: L
 
 
 def test_a_request_that_could_never_fit_the_token_limit_is_refused_without_retry_after(server: LiveServer) -> None:
-    no_max = {"model": "m", "messages": USER}  # may generate up to the whole context: 4096 tokens > 400
+    no_max = {"model": "m", "messages": USER}  # may generate up to the whole context: SmolLM2's 8192 tokens (the default --max-model-len) > 400
     response = post(server, "/v1/chat/completions", no_max, key="tokens")
     assert response.status_code == 429 and "retry-after" not in response.headers
-    assert "4096" in response.json()["error"]["message"]
+    assert "8192" in response.json()["error"]["message"]
 
 
 # ---- input limits -------------------------------------------------------------------------------------
