@@ -119,3 +119,15 @@ def test_non_streaming_body_matches_the_stream(scenario: str) -> None:
 def test_sse_bytes_are_data_lines_with_a_blank_line_after_each() -> None:
     assert Frame('{"a":1}').to_sse() == b'data: {"a":1}\n\n'
     assert Frame('{"type":"ping"}', event="ping").to_sse() == b'event: ping\ndata: {"type":"ping"}\n\n'
+
+
+def test_the_non_streaming_body_reports_the_cached_prompt_tokens_of_the_finish() -> None:
+    from shared.deltas import Content, Finish, FinishReason, Usage
+
+    req = request(Protocol.OPENAI_CHAT)
+    acc = ChatCompletionAccumulator(req)
+    for delta in (Content(text="hi"), Finish(reason=FinishReason.STOP, usage=Usage(prompt_tokens=40, completion_tokens=1, cached_tokens=32))):
+        acc.feed(delta)
+    body = ChatCompletion.model_validate(chat_completion_body(req, [acc]))
+    assert body.usage is not None and body.usage.prompt_tokens_details is not None
+    assert (body.usage.prompt_tokens, body.usage.prompt_tokens_details.cached_tokens) == (40, 32)
