@@ -31,6 +31,7 @@ class RequestTiming:
     gaps_s: tuple[float, ...]  # between successive content chunks (~1 token each)
     e2e_s: float  # the whole response is in the client's hands
     chunks: int = 0  # content chunks received (ours); tokens for the in-process baselines
+    cached_tokens: int = 0  # prompt tokens the server reported read from its prefix cache (ours)
 
 
 @dataclass(frozen=True, slots=True)

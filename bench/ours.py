@@ -173,19 +173,21 @@ async def _one_request(client: AsyncOpenAI, config: ClientConfig, request: Bench
         extra_body={"ignore_eos": True},
     )
     chunk_times: list[float] = []
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached = 0
     async for chunk in stream:
         now = time.perf_counter()
         if chunk.choices and chunk.choices[0].delta.content:
             chunk_times.append(now - issued)
         if chunk.usage is not None:
             prompt_tokens, completion_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+            details = chunk.usage.prompt_tokens_details
+            cached = details.cached_tokens or 0 if details is not None else 0
     done = time.perf_counter() - issued
     if not chunk_times:
         raise RuntimeError("no content chunk received")
     chunk_gaps = gaps(chunk_times)
     useful = min(completion_tokens, request.max_tokens)
-    return RequestTiming(request.index, prompt_tokens, useful, chunk_times[0], chunk_gaps, done, chunks=len(chunk_times))
+    return RequestTiming(request.index, prompt_tokens, useful, chunk_times[0], chunk_gaps, done, chunks=len(chunk_times), cached_tokens=cached)
 
 
 def _record(wall: float, timings: list[RequestTiming], errors: list[str], workload: Workload) -> RunRecord:
@@ -200,5 +202,42 @@ def _record(wall: float, timings: list[RequestTiming], errors: list[str], worklo
     chunks = sum(t.chunks for t in timings)
     tokens = sum(t.output_tokens for t in timings)
     extra = {"tokens_per_chunk": tokens / chunks if chunks else 0.0, "failed_requests": float(len(errors))}
+    ordered = sorted(timings, key=lambda t: t.index)
+    if workload.spec.shared_prefix and len(ordered) > 1:
+        later = sorted(t.ttft_s for t in ordered[1:])
+        extra["prefix_first_ttft_ms"] = ordered[0].ttft_s * 1000
+        extra["prefix_later_ttft_p50_ms"] = later[len(later) // 2] * 1000
+        extra["prefix_later_min_cached_tokens"] = float(min(t.cached_tokens for t in ordered[1:]))
     error = f"{len(errors)} request(s) failed; first: {errors[0]}" if errors else None
     return RunRecord("ours", wall, tuple(sorted(timings, key=lambda t: t.index)), tuple(notes), error, extra)
+
+
+def worker_figures(server: LiveServer, data_dir: Path) -> dict[str, float]:
+    """From the worker's heartbeat hash in the embedded Redis: peak running sequences and KV pool size."""
+    import redis
+
+    from shared import keys
+
+    figures: dict[str, float] = {}
+    url = (data_dir / "redis.url").read_text().strip()
+    client = redis.Redis.from_url(url)
+    try:
+        for key in client.scan_iter(match=keys.worker_info("*"), count=100):
+            info = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+            if "running_peak" in info:
+                figures["peak_running_seqs"] = float(info["running_peak"])
+                figures["kv_pool_tokens"] = float(info.get("kv_total_tokens", 0))
+    finally:
+        client.close()
+    return figures
+
+
+def worker_rss(server: LiveServer) -> dict[str, float]:
+    """RSS of the server's worker process now (taken right after /ready: model + KV pool as started)."""
+    try:
+        for child in psutil.Process(server.proc.pid).children(recursive=True):
+            if "worker" in child.cmdline():
+                return {"worker_rss_mib": child.memory_info().rss / 2**20}
+    except psutil.Error:
+        pass
+    return {}

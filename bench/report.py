@@ -20,7 +20,9 @@ from measure import RunRecord, TreeUsage, percentile
 from workloads import Workload
 
 # (workload, reference system, target ratio ours / reference for output tokens/s)
-THROUGHPUT_TARGETS = {"mixed": ("hf-static", 1.5), "uniform": ("hf-static", 0.9), "single": ("hf-static", 0.9)}
+THROUGHPUT_TARGETS = {"mixed": ("hf-static", 2.0), "uniform": ("hf-static", 1.0), "single": ("hf-static", 0.9)}
+PREFIX_TTFT_TARGET = 0.15  # median TTFT of requests 2..16 over the first's
+PREFIX_CACHED_TARGET = 3984  # cached_tokens each later request reports, at least
 TTFT_OVERHEAD_TARGET_MS = 10.0
 
 
@@ -110,6 +112,10 @@ def checks(workload: str, rows: list[SystemResult]) -> list[Check]:
         ratio = ours.tokens_per_s / row.tokens_per_s if row.tokens_per_s > 0 else math.nan
         reference, target = THROUGHPUT_TARGETS.get(workload, ("", math.nan))
         out.append(Check(f"throughput ours/{system}", ratio, target if system == reference else math.nan, True))
+    if workload == "prefix" and "prefix_first_ttft_ms" in ours.extra:
+        x = ours.extra
+        out.append(Check("prefix: later TTFT p50 / first TTFT", x["prefix_later_ttft_p50_ms"] / x["prefix_first_ttft_ms"], PREFIX_TTFT_TARGET, False))
+        out.append(Check("prefix: fewest cached_tokens of requests 2..N", x["prefix_later_min_cached_tokens"], PREFIX_CACHED_TARGET, True))
     static = by_system.get("hf-static")
     if workload == "single" and static is not None and "prefill_ms_median" in static.extra:
         overhead = ours.ttft_p50_ms - static.extra["prefill_ms_median"]

@@ -15,7 +15,12 @@ peak RSS of the system's process tree, and the CPU other processes used meanwhil
 ours / baseline for throughput against the targets (definitions in report.py). For `single`, the
 pipeline TTFT overhead = our median TTFT − the median in-process prefill forward of the same prompt.
 
-    python bench/throughput.py --workload uniform|mixed|single|all [--quick] [--scale F] [--json]
+    python bench/throughput.py --workload uniform|mixed|single|prefix|all [--quick] [--scale F] [--json]
+
+`prefix` (ours only): 16 requests one after another sharing one 4,000-token message prefix with their
+own 50-token suffixes; figures: the first request's TTFT, the median TTFT of the others, and the
+fewest cached_tokens the server reported for them. Every run of ours also reports the worker's RSS
+right after /ready and the peak number of sequences running at once (from its heartbeat).
 
 Only loopback traffic; every loop is bounded in count and time; the server is always stopped.
 """
@@ -40,14 +45,15 @@ from hf_continuous import run_continuous
 from hf_static import run_static
 from isolate import run_isolated
 from measure import RunRecord, TreeSampler, TreeUsage, wait_for_quiet
-from ours import REPO_ROOT, ClientConfig, run_workload, running_server, served_model, wait_ready, warm_up
+from ours import REPO_ROOT, ClientConfig, run_workload, running_server, served_model, wait_ready, warm_up, worker_figures, worker_rss
 from report import SystemResult, check_lines, checks, cpu_figures, summarize, table
 from workloads import Workload, build, spec_for
 
 from models.files import local_folder
 from shared.settings import Settings
 
-WORKLOADS = ("uniform", "mixed", "single")
+WORKLOADS = ("uniform", "mixed", "single", "prefix")
+OURS_ONLY = ("prefix",)  # workloads measuring our own cache, not a comparison
 SYSTEMS = ("ours", "hf-static", "hf-continuous")
 MODEL_SPEC = "smollm2"
 QUIET_CORES = 0.25  # other processes' CPU use under which the shared machine counts as quiet
@@ -119,14 +125,18 @@ def run_ours(workload: Workload, config: BenchConfig) -> tuple[RunRecord, TreeUs
         sampler = TreeSampler(server.proc.pid, max_duration_s=config.timeout_s).start()
         try:
             wait_ready(server)
+            started = worker_rss(server)
             client = ClientConfig(server.base_url, served_model(server.base_url), config.timeout_s, config.timeout_s)
-            warm_up(client, workload.requests[0].message)
+            # Warm up on a message that shares no prefix with the workload's (or the first measured
+            # request would find its prefix cached).
+            warm_up(client, "warm up" if workload.spec.shared_prefix else workload.requests[0].message)
             window = TreeSampler(server.proc.pid, max_duration_s=config.timeout_s).start()
             try:
                 record = run_workload(client, workload)
             finally:
                 window_usage = window.stop()
             record.extra.update(cpu_figures(window_usage))  # CPU over the measured window only
+            record.extra.update({f"{k}_after_start": v for k, v in started.items()}, **worker_figures(server, Path(tmp)))
         except Exception as exc:
             record = RunRecord("ours", 0.0, error=f"{type(exc).__name__}: {exc}")
         finally:
@@ -234,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in config.workloads:
         workload = build(spec_for(name, quick=config.quick, scale=config.scale), tokenizer)
         log(workload.describe())
-        rows = [run_system(system, workload, folder, config) for system in config.systems]
+        systems = [s for s in config.systems if s == "ours" or name not in OURS_ONLY]
+        rows = [run_system(system, workload, folder, config) for system in systems]
         found = checks(name, rows)
         sections.append({"workload": name, "description": workload.describe(), "spec": asdict(workload.spec), "rows": [asdict(r) for r in rows], "check_objects": found})
         log(f"{name} done:\n{table(rows)}\n{check_lines(found)}")

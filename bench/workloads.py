@@ -39,18 +39,21 @@ class WorkloadSpec:
     message_tokens: tuple[int, int]  # inclusive range of the user message's token count
     max_tokens: tuple[int, int]  # inclusive range of max_tokens (every request generates exactly this)
     same_prompt: bool = False  # every request sends the same message
+    shared_prefix: int = 0  # tokens of one message prefix every request starts with (then its own message_tokens)
 
 
 FULL = {
     "uniform": WorkloadSpec("uniform", concurrency=32, num_requests=32, message_tokens=(64, 64), max_tokens=(128, 128), same_prompt=True),
     "mixed": WorkloadSpec("mixed", concurrency=32, num_requests=128, message_tokens=(16, 1024), max_tokens=(16, 512)),
     "single": WorkloadSpec("single", concurrency=1, num_requests=8, message_tokens=(64, 64), max_tokens=(128, 128), same_prompt=True),
+    "prefix": WorkloadSpec("prefix", concurrency=1, num_requests=16, message_tokens=(50, 50), max_tokens=(16, 16), shared_prefix=4000),
 }
 
 QUICK = {
     "uniform": WorkloadSpec("uniform", concurrency=8, num_requests=8, message_tokens=(64, 64), max_tokens=(32, 32), same_prompt=True),
     "mixed": WorkloadSpec("mixed", concurrency=8, num_requests=16, message_tokens=(16, 256), max_tokens=(16, 64)),
     "single": WorkloadSpec("single", concurrency=1, num_requests=3, message_tokens=(64, 64), max_tokens=(32, 32), same_prompt=True),
+    "prefix": WorkloadSpec("prefix", concurrency=1, num_requests=4, message_tokens=(50, 50), max_tokens=(8, 8), shared_prefix=1000),
 }
 
 
@@ -94,9 +97,10 @@ def build(spec: WorkloadSpec, tokenizer: Any) -> Workload:
     rng = random.Random(SEED)
     words = single_token_words(tokenizer)
     fixed = _message(tokenizer, words, rng, spec.message_tokens[0]) if spec.same_prompt else None
+    prefix = _message(tokenizer, words, rng, spec.shared_prefix) + " " if spec.shared_prefix else ""
     requests = []
     for index in range(spec.num_requests):
-        message = fixed or _message(tokenizer, words, rng, rng.randint(*spec.message_tokens))
+        message = fixed or prefix + _message(tokenizer, words, rng, rng.randint(*spec.message_tokens))
         max_tokens = rng.randint(*spec.max_tokens)
         count = len(tokenizer(message, add_special_tokens=False)["input_ids"])
         requests.append(BenchRequest(index, message, count, tuple(render(tokenizer, message)), max_tokens))

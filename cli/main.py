@@ -31,8 +31,9 @@ DataDir = Annotated[str | None, typer.Option(help="Where the embedded Redis and 
 Device = Annotated[str | None, typer.Option(help="auto (CUDA if present, else CPU), cpu, cuda, cuda:1...")]
 Dtype = Annotated[str | None, typer.Option(help="bfloat16 (default), float16 or float32.")]
 MaxRunning = Annotated[int | None, typer.Option(help="Most sequences a worker decodes together.")]
-KvBudget = Annotated[int | None, typer.Option("--kv-budget-mb", help="KV cache memory per worker, MiB.")]
-MaxModelLen = Annotated[int | None, typer.Option(help="Longest prompt + completion, tokens (capped by the model's context).")]
+KvBudget = Annotated[int | None, typer.Option("--kv-budget-mb", help="KV block pool per worker, MiB (default: a share of free memory).")]
+PrefixCache = Annotated[bool | None, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of identical prompt prefixes (on by default).")]
+MaxModelLen = Annotated[int | None, typer.Option(help="Longest prompt + completion, tokens (default and cap: the model's context).")]
 MaxQueue = Annotated[int | None, typer.Option(help="Accepted-but-unfinished requests beyond which new ones get 429 / 529.")]
 RequestTimeout = Annotated[float | None, typer.Option(help="Seconds from acceptance until a request ends with a timeout finish.")]
 LeaseS = Annotated[float | None, typer.Option("--lease", help="Seconds a worker may go without renewing a claimed request before another takes it over.")]
@@ -96,6 +97,7 @@ def serve(
     dtype: Dtype = None,
     max_running: MaxRunning = None,
     kv_budget_mb: KvBudget = None,
+    prefix_cache: PrefixCache = None,
     max_model_len: MaxModelLen = None,
     max_queue: MaxQueue = None,
     max_tokens_per_step: MaxTokensPerStep = None,
@@ -178,6 +180,7 @@ def worker(
     dtype: Dtype = None,
     max_running: MaxRunning = None,
     kv_budget_mb: KvBudget = None,
+    prefix_cache: PrefixCache = None,
     max_model_len: MaxModelLen = None,
     max_tokens_per_step: MaxTokensPerStep = None,
     request_timeout: RequestTimeout = None,

@@ -8,7 +8,10 @@ Reasoning → thinking with a `signature_delta` before its stop, a tool call →
 `input_json_delta`s); Finish → `message_delta` (stop reason, cumulative usage) then `message_stop`;
 Error → `event: error` and nothing after. Parallel tool calls whose argument fragments interleave are
 put in order by `encoders.blocks` (one block open at a time; nothing dropped, later blocks held).
-`usage.input_tokens` is the whole prompt (no cache split is reported).
+Usage follows Anthropic's split: `input_tokens` are the prompt tokens not read from the prefix cache,
+`cache_read_input_tokens` those that were (`Usage.cached_tokens`, known only at the finish, so
+`message_start` reports the whole prompt as input); `cache_creation_input_tokens` is always 0 (our
+cache fills itself, nothing is billed for writing it).
 Must not: do I/O, or expose token ids unless the request asked (`return_token_ids`, an extension).
 """
 
@@ -21,7 +24,7 @@ import orjson
 
 from encoders.blocks import TOOL, BlockSequencer, Op
 from encoders.frames import Frame, json_frame
-from shared.deltas import Content, Error, Finish, FinishReason, Reasoning, Refusal, StreamDelta, ToolCallArgs, ToolCallStart
+from shared.deltas import Content, Error, Finish, FinishReason, Reasoning, Refusal, StreamDelta, ToolCallArgs, ToolCallStart, Usage
 from shared.ir import Request
 
 PING = Frame('{"type":"ping"}', "ping")
@@ -101,10 +104,7 @@ class _MessageState:
     def message(self, *, streaming: bool) -> dict[str, Any]:
         """The Message object: empty with null stop reason for `message_start`, else what was built so far."""
         r, done = self.request, self.finish
-        usage = {
-            "input_tokens": done.usage.prompt_tokens if done else len(r.prompt_token_ids),
-            "output_tokens": done.usage.completion_tokens if done else 0,
-        }
+        usage = _usage(done.usage if done else Usage(prompt_tokens=len(r.prompt_token_ids)))
         body: dict[str, Any] = {
             "id": message_id(r),
             "type": "message",
@@ -164,7 +164,7 @@ class _MessageState:
         return self._with_ids({"type": "content_block_delta", "index": self._open, "delta": delta})
 
     def _message_delta(self, finish: Finish) -> dict[str, Any]:
-        usage = {"input_tokens": finish.usage.prompt_tokens, "output_tokens": finish.usage.completion_tokens}
+        usage = _usage(finish.usage)
         return self._with_ids(
             {
                 "type": "message_delta",
@@ -245,3 +245,12 @@ class MessageAccumulator:
 
     def body(self) -> dict[str, Any]:
         return self._state.message(streaming=False)
+
+
+def _usage(usage: Usage) -> dict[str, int]:
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "output_tokens": usage.completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": usage.cached_tokens,
+    }

@@ -6,7 +6,10 @@ Owns: one `CollectorRegistry` per app (never the global default registry), holdi
   end-to-end latency, queue time (`claimed_at - received_at` from the request's meta hash), and HTTP
   errors by status; and, beside them, each finished request's access-log line (ingest/request_log.py). Several API nodes each expose their own; Prometheus sums them.
 - cluster figures read from Redis at scrape time (`ClusterCollector`): requests running / waiting
-  and KV-cache usage summed over live workers' heartbeat hashes, live worker count, accepted-but-
+  KV-cache usage (blocks in use / pool) and prefix-cache queries / hits (prompt tokens looked up /
+  found cached; counters of each live worker's life, so a worker that leaves takes its share with it:
+  Prometheus' `rate()` treats that as a counter reset) summed over live workers' heartbeat hashes,
+  live worker count, accepted-but-
   unfinished requests, dead letters. The async read happens in `render()`, just before the
   synchronous collect, so a scrape always shows Redis as it is now.
 Must not: change what a client receives (observing is pass-through), or hold request payloads.
@@ -20,7 +23,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.registry import Collector
 from redis.asyncio import Redis
@@ -48,8 +51,13 @@ class ClusterFigures:
     waiting: int = 0
     kv_used_tokens: int = 0
     kv_total_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     inflight: int = 0
     dead_letters: int = 0
+
+
+_WORKER_FIELDS = ["running", "waiting", "kv_used_tokens", "kv_total_tokens", "prefix_cache_queries", "prefix_cache_hits"]
 
 
 async def read_cluster(redis: Redis, *, heartbeat_ttl: float) -> ClusterFigures:
@@ -58,14 +66,14 @@ async def read_cluster(redis: Redis, *, heartbeat_ttl: float) -> ClusterFigures:
         alive: list[bytes] = await redis.zrangebyscore(keys.WORKERS_ALIVE, time.time() - heartbeat_ttl, "+inf")  # type: ignore[assignment]
         async with redis.pipeline(transaction=False) as pipe:
             for worker in alive:
-                pipe.hmget(keys.worker_info(_text(worker)), ["running", "waiting", "kv_used_tokens", "kv_total_tokens"])
+                pipe.hmget(keys.worker_info(_text(worker)), _WORKER_FIELDS)
             pipe.get(keys.INFLIGHT)
             pipe.xlen(keys.DEAD_LETTER)
             *hashes, inflight, dead = await pipe.execute()
     except RedisError as exc:
         log.warning("metrics: redis unavailable (%s)", type(exc).__name__)
         return ClusterFigures()
-    sums = [0, 0, 0, 0]
+    sums = [0] * len(_WORKER_FIELDS)
     live = 0
     for values in hashes:
         if all(v is None for v in values):
@@ -80,6 +88,8 @@ async def read_cluster(redis: Redis, *, heartbeat_ttl: float) -> ClusterFigures:
         waiting=sums[1],
         kv_used_tokens=sums[2],
         kv_total_tokens=sums[3],
+        prefix_cache_queries=sums[4],
+        prefix_cache_hits=sums[5],
         inflight=max(0, _int(inflight)),
         dead_letters=int(dead or 0),
     )
@@ -98,7 +108,9 @@ class ClusterCollector(Collector):
         yield _gauge("met_num_requests_running", "Requests in workers' running batches, summed over live workers.", f.running)
         yield _gauge("met_num_requests_waiting", "Requests claimed by workers but waiting for a batch slot, summed over live workers.", f.waiting)
         usage = f.kv_used_tokens / f.kv_total_tokens if f.kv_total_tokens else 0.0
-        yield _gauge("met_kv_cache_usage_perc", "KV-cache usage over live workers (1 = full): used / total token slots.", usage)
+        yield _gauge("met_kv_cache_usage_perc", "KV-cache usage over live workers (1 = full): blocks in use / blocks in the pools.", usage)
+        yield CounterMetricFamily("met_prefix_cache_queries", "Prompt tokens looked up in the prefix cache, summed over live workers.", value=f.prefix_cache_queries)
+        yield CounterMetricFamily("met_prefix_cache_hits", "Prompt tokens found in the prefix cache, summed over live workers.", value=f.prefix_cache_hits)
         yield _gauge("met_num_requests_inflight", "Accepted requests without a terminal event yet, cluster-wide (what admission limits).", f.inflight)
         yield _gauge("met_dead_letters", "Requests in the dead-letter stream (met:deadletter).", f.dead_letters)
 

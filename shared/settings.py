@@ -32,10 +32,11 @@ class Settings:
     workers: int = 1
     data_dir: str = ""  # embedded Redis data and the redis.url file
     model_cache: str = ""  # converted models (GGUF → safetensors); shared by every data dir
-    max_model_len: int = 4096  # longest prompt + output a request may have (capped by the model's context)
+    max_model_len: int = 0  # longest prompt + output a request may have; 0 = the model's own context length
     max_running: int = 32  # sequences decoded together in one step
     max_tokens_per_step: int = 512  # prefill + decode tokens one step may process
-    kv_budget_mb: int = 3072  # memory for the KV cache, per worker
+    kv_budget_mb: int = 0  # memory for the KV block pool, per worker; 0 = a share of free memory (see workers.kv_cache)
+    prefix_cache: bool = True  # reuse the KV blocks of identical prompt prefixes (`--no-prefix-cache`)
     max_queue: int = 256  # accepted-but-unfinished requests beyond which admission refuses
     request_timeout: float = 600.0  # seconds from acceptance to a timeout finish
     ping_interval: float = 10.0  # seconds of stream silence before a keep-alive ping
@@ -94,6 +95,8 @@ class Settings:
 
 def _convert(type_name: Any, raw: str) -> Any:
     name = str(type_name)
+    if name.startswith("bool"):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
     if name.startswith("int"):
         return int(raw)
     if name.startswith("float"):

@@ -17,12 +17,14 @@ from models.prompt import ModelInfo
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, StreamDelta, TokenLogprob, Usage, is_terminal
 from shared.ir import Request, resolve
 from shared.settings import Settings
+from workers.blocks import BlockPool
 from workers.detok import IncrementalDetokenizer, StopMatcher
 from workers.scheduler import Sampled, Scheduler, Sequence, StepPlan
 
 
 class Runner(Protocol):
-    num_slots: int
+    num_blocks: int  # KV blocks of `block_size` positions in the pool
+    block_size: int
     max_len: int
 
     def execute(self, plan: StepPlan) -> list[Sampled]:
@@ -69,9 +71,8 @@ class Engine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.info = info
-        self.scheduler = Scheduler(
-            num_slots=runner.num_slots, max_running=settings.max_running, max_tokens_per_step=settings.max_tokens_per_step
-        )
+        pool = BlockPool(runner.num_blocks, block_size=runner.block_size, prefix_cache=settings.prefix_cache)
+        self.scheduler = Scheduler(pool=pool, max_running=settings.max_running, max_tokens_per_step=settings.max_tokens_per_step)
         self.request_timeout = settings.request_timeout
         self.clock = clock
         self.stats = EngineStats()
@@ -82,7 +83,11 @@ class Engine:
         re-prefilled with the prompt (recompute) and generation continues after them, so the client
         sees no gap and no repeat. Returns the terminal emission when nothing is left to generate."""
         request = _with_resolved_sampling(request, self.info)
-        budget = self.runner.max_len - len(request.prompt_token_ids)
+        pool_tokens = self.scheduler.pool.num_tokens
+        if len(request.prompt_token_ids) >= pool_tokens:
+            message = f"The prompt has {len(request.prompt_token_ids)} tokens; this worker's KV cache holds at most {pool_tokens} (raise --kv-budget-mb)."
+            return [Emission(request.id, Error(message=message, kind=ErrorKind.INVALID_REQUEST, attempt=attempt))]
+        budget = min(self.runner.max_len, pool_tokens) - len(request.prompt_token_ids)
         max_tokens = min(request.sampling.max_tokens or budget, budget)
         seq = Sequence(request=request, prompt=list(request.prompt_token_ids), attempt=attempt, output=list(resume))
         seq.context = seq.prompt + seq.output
@@ -102,8 +107,7 @@ class Engine:
         """Forget a request without emitting anything (another worker owns it now)."""
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
-            if seq.slot is not None:
-                self.runner.release(seq)
+            self.runner.release(seq)
             self.scheduler.finish(seq)
 
     def has_work(self) -> bool:
@@ -133,11 +137,7 @@ class Engine:
             return emissions
         started = time.perf_counter()
         sampled = self.runner.execute(plan)
-        for seq in plan.decode:
-            seq.computed += 1
-            seq.batch_max = max(seq.batch_max, len(plan.decode))
-        for chunk in plan.prefill:
-            chunk.seq.computed = chunk.end
+        self.scheduler.advance(plan)
         for s in sampled:
             emissions.extend(self._append(s))
         self._record(plan, time.perf_counter() - started)
@@ -198,10 +198,9 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, *, matched_stop: str | None = None) -> Emission:
         state: _TextState = seq.state
-        usage = Usage(prompt_tokens=len(seq.request.prompt_token_ids), completion_tokens=len(seq.output))
+        usage = Usage(prompt_tokens=len(seq.request.prompt_token_ids), completion_tokens=len(seq.output), cached_tokens=seq.cached_tokens or 0)
         delta = Finish(reason=reason, usage=usage, matched_stop=matched_stop, token_ids=tuple(state.pending_ids), attempt=seq.attempt)
-        if seq.slot is not None:
-            self.runner.release(seq)
+        self.runner.release(seq)
         self.scheduler.finish(seq)
         del self._seqs[seq.key]
         return Emission(seq.key, delta, batch_max=seq.batch_max)

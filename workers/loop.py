@@ -115,7 +115,12 @@ class WorkerLoop:
             await self.redis.zremrangebyscore(keys.REQUEST_INDEX, "-inf", time.time() - self.settings.dump_ttl)
 
     def _capacity(self) -> int:
-        return max(0, self.engine.scheduler.num_free_slots - len(self.engine.scheduler.waiting))
+        """Requests to claim now: room under `max_running`, while the block pool has a free block
+        (the blocks in use, not `max_model_len`, bound how many run)."""
+        sched = self.engine.scheduler
+        if not sched.pool.num_free:
+            return 0
+        return max(0, sched.max_running - len(sched.running) - len(sched.waiting))
 
     async def claim(self, *, block_ms: int | None) -> None:
         count = self._capacity()
@@ -260,7 +265,6 @@ class WorkerLoop:
         stats = self.engine.stats
         sched = self.engine.scheduler
         prefill_tps, decode_tps = self._rates(time.monotonic())
-        runner = self.engine.runner
         figures: dict[Any, Any] = {
             **self.info,
             "pid": os.getpid(),
@@ -279,9 +283,12 @@ class WorkerLoop:
             "step_ms": round(stats.last_step_s * 1000, 2),
             "prefill_tps": round(prefill_tps, 1),
             "decode_tps": round(decode_tps, 1),
-            "kv_used_tokens": sum(s.computed for s in sched.running),
-            "kv_total_tokens": runner.num_slots * runner.max_len,
-            "kv_slots_used": len(sched.running),
+            "kv_used_tokens": sched.pool.num_used * sched.pool.block_size,
+            "kv_total_tokens": sched.pool.num_tokens,
+            "kv_blocks_used": sched.pool.num_used,
+            "prefix_cache_queries": sched.pool.queries,
+            "prefix_cache_hits": sched.pool.hits,
+            "running_peak": sched.running_peak,
             "preemptions": sched.preemptions,
             "finished": self.finished_total,
             "cancelled": self.cancelled_total,

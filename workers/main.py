@@ -35,7 +35,6 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         model,
         max_len=renderer.info.max_model_len,
         kv_budget_mb=settings.kv_budget_mb,
-        max_slots=settings.max_running,
         device=device,
         dtype=dtype,
     )
@@ -51,7 +50,8 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         "model": settings.served_model_name or name,
         "device": str(device),
         "dtype": settings.dtype,
-        "kv_slots": str(runner.num_slots),
+        "kv_blocks": str(runner.num_blocks),
+        "kv_block_size": str(runner.block_size),
         "kv_bytes": str(runner.kv_bytes),
         "max_model_len": str(renderer.info.max_model_len),
     }

@@ -1,25 +1,23 @@
 """The runner: all torch and transformers code of a worker. Plain functions, tensor shapes in comments.
 
-KV cache design (`SlotKVCache`): per-slot preallocated buffers, one [slots, kv_heads, max_len,
-head_dim] tensor pair per layer. A sequence owns one slot from admission to finish, so a step never
-copies a sequence's cache; the decode batch reads `buf[slots, :, :kv_len]` (a view when the slots are
-contiguous) under a boolean mask giving each row its own length. The number of slots comes from the
-KV memory budget (`--kv-budget-mb`) and `max_len`, never from "all free RAM". It plugs into any
-transformers decoder through the `Cache` interface and a prepared 4-D mask, so `--model` is not tied
-to one architecture.
+KV cache: the paged block pool of `workers.kv_cache` (blocks of `BLOCK_SIZE` positions, sized by
+`--kv-budget-mb`, or a share of free memory by default). Each forward gets, per batch row, the pool
+rows its new tokens go to and the rows of the sequence's positions so far (from its block table);
+a boolean 4-D mask gives each row its own length. It plugs into any transformers decoder through the
+`Cache` interface, so `--model` is not tied to one architecture (Llama, Qwen2/3, Mistral included).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
-from transformers.cache_utils import Cache
 
+from workers.blocks import BLOCK_SIZE
+from workers.kv_cache import KVGeometry, PagedKVCache, default_budget_mb
 from workers.sampling import SamplerRow, TokenLogprobData, breaker_ids, sample
 from workers.scheduler import PrefillChunk, Sampled, Sequence, StepPlan
 
@@ -44,82 +42,26 @@ def load_model(folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any
     return model.to(device).eval()
 
 
-@dataclass(frozen=True, slots=True)
-class KVGeometry:
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, model: Any, dtype: torch.dtype) -> KVGeometry:
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        return cls(cfg.num_hidden_layers, kv_heads, head_dim, dtype)
-
-    def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
-
-
-class SlotKVCache(Cache):
-    """Per-slot KV buffers behind transformers' `Cache.update`. `bind()` says where a forward writes."""
-
-    def __init__(self, geometry: KVGeometry, *, num_slots: int, max_len: int, device: torch.device) -> None:
-        super().__init__(layers=[])
-        shape = (num_slots, geometry.kv_heads, max_len, geometry.head_dim)
-        self.keys = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.layers)]
-        self.values = [torch.zeros(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.layers)]
-        self._slots = torch.zeros(0, dtype=torch.long, device=device)
-        self._positions = torch.zeros(0, dtype=torch.long, device=device)
-        self._range: tuple[int, int] | None = None
-        self._kv_len = 0
-
-    def bind(self, slots: list[int], positions: torch.Tensor, kv_len: int) -> None:
-        """slots: B slot ids; positions: [B, T] cache positions this forward writes; kv_len: keys to read."""
-        device = self.keys[0].device
-        self._slots = torch.tensor(slots, dtype=torch.long, device=device)
-        self._positions = positions
-        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-        self._range = (slots[0], slots[0] + len(slots)) if contiguous else None
-        self._kv_len = kv_len
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states, value_states: [B, kv_heads, T, head_dim]
-        k_buf, v_buf = self.keys[layer_idx], self.values[layer_idx]
-        rows = self._slots[:, None]  # [B, 1] broadcast against positions [B, T]
-        k_buf[rows, :, self._positions] = key_states.transpose(1, 2)  # indexed view: [B, T, kv_heads, head_dim]
-        v_buf[rows, :, self._positions] = value_states.transpose(1, 2)
-        if self._range is not None:
-            lo, hi = self._range
-            return k_buf[lo:hi, :, : self._kv_len], v_buf[lo:hi, :, : self._kv_len]  # views [B, kv_heads, kv_len, head_dim]
-        return k_buf[self._slots, :, : self._kv_len], v_buf[self._slots, :, : self._kv_len]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._kv_len
-
-    def move(self, src: int, dst: int) -> None:
-        for buf in (*self.keys, *self.values):
-            buf[dst].copy_(buf[src])
-
-
 class TorchRunner:
     """Executes a `StepPlan`: one batched decode forward, then one forward per prefill chunk."""
 
-    def __init__(self, model: Any, *, max_len: int, kv_budget_mb: int, max_slots: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: Any, *, max_len: int, kv_budget_mb: int, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
         self.device = device
         geometry = KVGeometry.of(model, dtype)
-        per_slot = geometry.bytes_per_token() * max_len
-        self.num_slots = max(1, min(max_slots, kv_budget_mb * 2**20 // per_slot))
+        budget_mb = kv_budget_mb or default_budget_mb(device)
+        per_block = geometry.bytes_per_token() * BLOCK_SIZE
+        self.block_size = BLOCK_SIZE
+        self.num_blocks = max(1, budget_mb * 2**20 // per_block)
         self.max_len = max_len
-        self.kv_bytes = per_slot * self.num_slots
-        self.cache = SlotKVCache(geometry, num_slots=self.num_slots, max_len=max_len, device=device)
+        self.kv_bytes = per_block * self.num_blocks
+        self.cache = PagedKVCache(geometry, num_blocks=self.num_blocks, block_size=BLOCK_SIZE, device=device)
         self._generators: dict[str, torch.Generator] = {}
         self.eos_ids: tuple[int, ...] = ()  # set by the engine's builder: banned while min_tokens is not reached
         self.tokenizer: Any = None  # set likewise: turns dry_sequence_breakers into token ids
         self._breakers: dict[str, frozenset[int]] = {}  # per sequence, like the generators
-        log.info("KV cache: %d slots x %d tokens (%.0f MiB)", self.num_slots, max_len, self.kv_bytes / 2**20)
+        how = "--kv-budget-mb" if kv_budget_mb else "default: a share of free memory"
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s)", self.num_blocks, BLOCK_SIZE, self.num_blocks * BLOCK_SIZE, self.kv_bytes / 2**20, how)
 
     def release(self, seq: Sequence) -> None:
         self._generators.pop(seq.key, None)
@@ -158,27 +100,26 @@ class TorchRunner:
             breakers = self._breakers[seq.key] = breaker_ids(self.tokenizer, params.dry_sequence_breakers)
         return SamplerRow(params=params, generator=gen, prompt=seq.prompt, output=seq.output, eos_ids=self.eos_ids, dry_breakers=breakers)
 
-    def _forward(self, slots: list[int], input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _forward(self, seqs: list[Sequence], input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [B, T]; returns last-position logits [B, vocab]
-        kv_len = int(positions.max().item()) + 1
-        key_pos = torch.arange(kv_len, device=self.device)  # [kv_len]
+        lengths = (positions[:, -1] + 1).tolist()  # keys each row attends to, its new tokens included
+        read = self.cache.rows([s.blocks for s in seqs], lengths)  # [B, kv_len]
+        key_pos = torch.arange(read.shape[1], device=self.device)  # [kv_len]
         mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, kv_len] causal per row
-        self.cache.bind(slots, positions, kv_len)
+        self.cache.bind(read.gather(1, positions), read)
         out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
 
     def _decode(self, seqs: tuple[Sequence, ...]) -> torch.Tensor:
-        slots = [s.slot for s in seqs]
         input_ids = torch.tensor([[s.output[-1]] for s in seqs], device=self.device)  # [B, 1]
         positions = torch.tensor([[s.computed] for s in seqs], device=self.device)  # [B, 1]
-        return self._forward(slots, input_ids, positions)  # type: ignore[arg-type]
+        return self._forward(list(seqs), input_ids, positions)
 
     def _prefill(self, chunk: PrefillChunk) -> torch.Tensor:
         seq = chunk.seq
         input_ids = torch.tensor([seq.context[chunk.start : chunk.end]], device=self.device)  # [1, T]
         positions = torch.arange(chunk.start, chunk.end, device=self.device)[None, :]  # [1, T]
-        assert seq.slot is not None
-        return self._forward([seq.slot], input_ids, positions)
+        return self._forward([seq], input_ids, positions)
 
 
 def _sampled(seq: Sequence, token: int, logprob: TokenLogprobData | None) -> Sampled:

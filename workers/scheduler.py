@@ -2,17 +2,21 @@
 
 Policy (continuous batching):
 - Every running sequence whose prompt is in the KV cache decodes one token per step; a finished or
-  cancelled one leaves at once and frees its slot, so no request waits for another's last token.
+  cancelled one leaves at once and frees its blocks, so no request waits for another's last token.
 - The rest of the per-step token budget (`max_tokens_per_step`) goes to prompt chunks: first for
-  running sequences still prefilling (in admission order), then to waiting requests admitted into
-  free slots, ordered by (priority, arrival) — lower priority runs sooner, as in vLLM.
-- A sequence holds one KV slot (see `workers.runner.SlotKVCache`) from admission to finish; when no
-  slot is free, new work waits in the queue. Slots are preallocated for `max_model_len` tokens, so a
-  running sequence never runs out of KV space mid-flight; the one case where running work must give
-  way is a waiting request of strictly higher priority (lower value): the lowest-priority, latest
-  running sequence is preempted — its slot freed, its prompt and output so far become the `context`
-  it re-prefills on readmission (recompute, as vLLM does), and generation continues exactly where it
-  stopped, with no token emitted twice.
+  running sequences still prefilling (in admission order), then to waiting requests admitted while
+  blocks are free and fewer than `max_running` run, ordered by (priority, arrival) — lower priority runs sooner, as in vLLM.
+- KV memory is blocks (`workers.blocks.BlockPool`): a sequence takes blocks as it grows and gives
+  them back when it finishes, so concurrency is bounded by the blocks actually used (and
+  `max_running`), not by `max_model_len`. On admission a sequence reuses the cached blocks of its
+  longest cached prefix (`computed` starts after them; the last prompt token is always recomputed
+  so the step has its logits) and prefills only the rest.
+- Running work gives way in two cases: a decoding sequence needs a block and the pool is exhausted,
+  or a waiting request of strictly higher priority (lower value) finds no room. Either way the
+  lowest-priority, latest running sequence is preempted — its blocks given back (they stay cached,
+  so its readmission often finds them again), its prompt and output so far become the `context` it
+  re-prefills (recompute, as vLLM does), and generation continues exactly where it stopped, with no
+  token emitted twice.
 Must not: import torch or touch Redis. Tests drive it with a fake runner.
 """
 
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.ir import Request
+from workers.blocks import ROOT, BlockPool, chain_hash
 
 _arrivals = itertools.count()
 
@@ -43,7 +48,10 @@ class Sequence:
     attempt: int = 1
     context: list[int] = field(default_factory=list)  # tokens to prefill: the prompt, plus output after a preemption
     output: list[int] = field(default_factory=list)
-    slot: int | None = None
+    blocks: list[int] = field(default_factory=list)  # block table: block ids of positions 0, 16, 32, …
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks, by position
+    registered: int = 0  # leading blocks whose keys are in the pool
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     computed: int = 0
     status: SeqStatus = SeqStatus.WAITING
     arrival: int = field(default_factory=lambda: next(_arrivals))
@@ -62,6 +70,13 @@ class Sequence:
     @property
     def prefilled(self) -> bool:
         return self.computed >= len(self.context)
+
+    def span(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output."""
+        n = len(self.prompt)
+        if end <= n:
+            return self.prompt[start:end]
+        return self.prompt[start:end] + self.output[max(0, start - n) : end - n]
 
     @property
     def length(self) -> int:
@@ -108,17 +123,14 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, *, num_slots: int, max_running: int, max_tokens_per_step: int) -> None:
-        self.max_running = min(max_running, num_slots)
+    def __init__(self, *, pool: BlockPool, max_running: int, max_tokens_per_step: int) -> None:
+        self.pool = pool
+        self.max_running = max_running
         self.max_tokens_per_step = max(max_tokens_per_step, self.max_running)
-        self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.preemptions = 0
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
+        self.running_peak = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -127,60 +139,138 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def room(self) -> bool:
+        """Whether one more sequence could start now."""
+        return len(self.running) < self.max_running and self.pool.num_free > 0
+
     def schedule(self) -> StepPlan:
         self.waiting.sort(key=lambda s: s.order)
         self._preempt_for_priority()
-        budget = self.max_tokens_per_step
-        decode = tuple(s for s in self.running if s.prefilled)
-        budget -= len(decode)
-        chunks: list[PrefillChunk] = []
-        for seq in self.running:
-            if budget <= 0:
-                break
-            if not seq.prefilled:
-                budget -= self._chunk(seq, budget, chunks)
-        while budget > 0 and self.waiting and self._free_slots and len(self.running) < self.max_running:
-            seq = self.waiting.pop(0)
-            seq.slot = self._free_slots.pop()
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            budget -= self._chunk(seq, budget, chunks)
-        return StepPlan(decode=decode, prefill=tuple(chunks))
+        while True:
+            budget = self.max_tokens_per_step
+            decode = self._grow_decoders()
+            budget -= len(decode)
+            chunks: list[PrefillChunk] = []
+            for seq in list(self.running):
+                if budget <= 0:
+                    break
+                if not seq.prefilled:
+                    budget -= self._chunk(seq, budget, chunks)
+            while budget > 0 and self.waiting and len(self.running) < self.max_running and self._admit(self.waiting[0]):
+                budget -= self._chunk(self.running[-1], budget, chunks)
+            if decode or chunks or not self.running:
+                self.running_peak = max(self.running_peak, len(self.running))
+                return StepPlan(decode=tuple(decode), prefill=tuple(chunks))
+            # Every running sequence is mid-prefill and the pool is full: the worst one gives way.
+            self._preempt(max(self.running, key=lambda s: s.order))
+
+    def _grow_decoders(self) -> list[Sequence]:
+        """The sequences that decode this step, each with a block for its next position; when the pool
+        is exhausted, the lowest-priority latest running sequence is preempted (perhaps the one asking)."""
+        pending = sorted((s for s in self.running if s.prefilled), key=lambda s: s.order)
+        decode: list[Sequence] = []
+        while pending:
+            seq = pending.pop(0)
+            while not self._reserve(seq, seq.computed + 1):
+                victim = max(self.running, key=lambda s: s.order)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+                if victim in pending:
+                    pending.remove(victim)
+            else:
+                decode.append(seq)
+        return decode
+
+    def _reserve(self, seq: Sequence, tokens: int) -> bool:
+        """Grow the block table to cover `tokens` positions; False when the pool ran out first."""
+        while len(seq.blocks) < self.pool.blocks_for(tokens):
+            block = self.pool.allocate()
+            if block is None:
+                return False
+            seq.blocks.append(block)
+        return True
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Move the first waiting sequence to running, reusing its longest cached prefix; False (and it
+        keeps waiting) when not even one block is free for what it must compute."""
+        usable = (len(seq.context) - 1) // self.pool.block_size  # the last prompt token is always computed
+        cached = self.pool.lookup(self._keys(seq, usable))
+        self.pool.hold(cached)
+        if self.pool.num_free == 0:
+            self.pool.release(cached)
+            return False
+        self.waiting.pop(0)
+        hit = len(cached) * self.pool.block_size
+        self.pool.count_query(queried=len(seq.context), hit=hit)
+        if seq.cached_tokens is None:
+            seq.cached_tokens = min(hit, len(seq.prompt))
+        seq.blocks, seq.registered, seq.computed = cached, len(cached), hit
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _keys(self, seq: Sequence, full_blocks: int) -> list[bytes]:
+        """Prefix-cache keys of the sequence's first `full_blocks` blocks (computed once, kept)."""
+        size = self.pool.block_size
+        while len(seq.block_keys) < full_blocks:
+            i = len(seq.block_keys)
+            parent = seq.block_keys[-1] if seq.block_keys else ROOT
+            seq.block_keys.append(chain_hash(parent, seq.span(i * size, (i + 1) * size)))
+        return seq.block_keys[:full_blocks]
+
+    def advance(self, plan: StepPlan) -> None:
+        """Record what a step computed, and key every block that became full for the prefix cache."""
+        for seq in plan.decode:
+            seq.computed += 1
+            seq.batch_max = max(seq.batch_max, len(plan.decode))
+        for chunk in plan.prefill:
+            chunk.seq.computed = chunk.end
+        if not self.pool.prefix_cache:
+            return
+        for seq in (*plan.decode, *(c.seq for c in plan.prefill)):
+            full = seq.computed // self.pool.block_size
+            if full > seq.registered:
+                keys = self._keys(seq, full)
+                for i in range(seq.registered, full):
+                    self.pool.register(seq.blocks[i], keys[i])
+                seq.registered = full
 
     def _preempt_for_priority(self) -> None:
-        """Free a slot for each waiting request that outranks the worst running one (recompute later)."""
-        preempted: list[Sequence] = []
+        """Make room for each waiting request that outranks the worst running one (recompute later)."""
         for seq in list(self.waiting):
-            if self._free_slots and len(self.running) < self.max_running:
+            if self.room():
                 break
             victim = max(self.running, key=lambda s: s.order, default=None)
             if victim is None or victim.request.priority <= seq.request.priority:
                 break
-            self.running.remove(victim)
-            assert victim.slot is not None
-            self._free_slots.append(victim.slot)
-            self._free_slots.sort(reverse=True)
-            victim.slot, victim.computed, victim.status = None, 0, SeqStatus.WAITING
-            victim.context = victim.prompt + victim.output
-            victim.preemptions += 1
-            self.preemptions += 1
-            preempted.append(victim)
-        self.waiting.extend(preempted)
+            self._preempt(victim)
+
+    def _preempt(self, victim: Sequence) -> None:
+        self.running.remove(victim)
+        self.pool.release(victim.blocks)
+        victim.blocks, victim.registered, victim.computed, victim.status = [], 0, 0, SeqStatus.WAITING
+        victim.context = victim.prompt + victim.output
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.waiting.append(victim)
         self.waiting.sort(key=lambda s: s.order)
 
-    @staticmethod
-    def _chunk(seq: Sequence, budget: int, chunks: list[PrefillChunk]) -> int:
+    def _chunk(self, seq: Sequence, budget: int, chunks: list[PrefillChunk]) -> int:
         end = min(len(seq.context), seq.computed + budget)
+        if not self._reserve(seq, end):
+            end = min(end, len(seq.blocks) * self.pool.block_size)
+        if end <= seq.computed:
+            return 0
         chunks.append(PrefillChunk(seq, seq.computed, end))
         return end - seq.computed
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a sequence wherever it is; its slot is free for the next step."""
+        """Remove a sequence wherever it is; its blocks are free (and stay cached) for the next step."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-            assert seq.slot is not None
-            self._free_slots.append(seq.slot)
-            self._free_slots.sort(reverse=True)
+            self.pool.release(seq.blocks)
+            seq.blocks = []
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED

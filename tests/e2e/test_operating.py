@@ -95,10 +95,10 @@ def test_tokens_per_minute_count_the_prompt_and_max_tokens_and_recover(server: L
 
 
 def test_a_request_that_could_never_fit_the_token_limit_is_refused_without_retry_after(server: LiveServer) -> None:
-    no_max = {"model": "m", "messages": USER}  # may generate up to the whole context: 4096 tokens > 400
+    no_max = {"model": "m", "messages": USER}  # may generate up to the whole context: SmolLM2's 8192 tokens (the default --max-model-len) > 400
     response = post(server, "/v1/chat/completions", no_max, key="tokens")
     assert response.status_code == 429 and "retry-after" not in response.headers
-    assert "4096" in response.json()["error"]["message"]
+    assert "8192" in response.json()["error"]["message"]
 
 
 # ---- input limits -------------------------------------------------------------------------------------
@@ -198,3 +198,22 @@ def test_special_token_text_in_a_user_message_reaches_the_worker_as_text(server:
         request = decode_request(r.get(keys.request_ir(request_id)) or b"")
     ids = list(request.prompt_token_ids)
     assert (ids.count(1), ids.count(2)) == (3, 2)  # <|im_start|>, <|im_end|>: default system, user, generation prompt
+
+
+def test_prefix_cache_counters_count_a_repeated_prompt_as_hits(server: LiveServer) -> None:
+    before = scrape(server)
+    body = {**CHAT, "messages": [{"role": "user", "content": "Spell the word cache, one letter a line, twice over."}], "max_tokens": 2}
+    first = patiently(server, "/v1/chat/completions", body)
+    second = patiently(server, "/v1/chat/completions", body)
+    assert first.status_code == second.status_code == 200
+    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 16 and cached % 16 == 0 and cached < second.json()["usage"]["prompt_tokens"]
+    after = scrape(server)
+    for _ in range(100):  # the worker's figures reach /metrics with its next heartbeat
+        if total(after, "met_prefix_cache_hits_total") >= total(before, "met_prefix_cache_hits_total") + cached:
+            break
+        time.sleep(0.1)
+        after = scrape(server)
+    assert total(after, "met_prefix_cache_hits_total") >= total(before, "met_prefix_cache_hits_total") + cached
+    assert total(after, "met_prefix_cache_queries_total") >= total(before, "met_prefix_cache_queries_total") + 2 * first.json()["usage"]["prompt_tokens"]
+    assert total(after, "met_prefix_cache_queries_total") >= total(after, "met_prefix_cache_hits_total")

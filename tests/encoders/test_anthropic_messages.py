@@ -127,13 +127,13 @@ def test_the_sdk_accumulates_each_stream_into_the_non_streaming_body(scenario: s
 def test_plain_text_payloads_carry_the_message_text_and_cumulative_usage() -> None:
     events = payloads(replay(anthropic_request(), SCENARIOS["plain_text"]))
     assert events[0]["message"]["id"] == "msg_req01"
-    assert events[0]["message"]["usage"] == {"input_tokens": len(PROMPT_IDS), "output_tokens": 0}
+    assert events[0]["message"]["usage"] == {"input_tokens": len(PROMPT_IDS), "output_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
     assert events[1]["content_block"] == {"type": "text", "text": ""}
     assert [e["delta"]["text"] for e in events if e["type"] == DELTA] == ["Hello", ", world"]
     assert events[-2] == {
         "type": "message_delta",
         "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-        "usage": {"input_tokens": len(PROMPT_IDS), "output_tokens": 4},
+        "usage": {"input_tokens": len(PROMPT_IDS), "output_tokens": 4, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
     }
 
 
@@ -252,7 +252,7 @@ def test_golden_reasoning_then_text_frames() -> None:
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": 4, "output_tokens": 0},
+        "usage": {"input_tokens": 4, "output_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
     }
     expected = [
         ("message_start", {"type": "message_start", "message": message}),
@@ -272,7 +272,7 @@ def test_golden_reasoning_then_text_frames() -> None:
             {
                 "type": "message_delta",
                 "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-                "usage": {"input_tokens": 4, "output_tokens": 6},
+                "usage": {"input_tokens": 4, "output_tokens": 6, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
             },
         ),
         ("message_stop", {"type": "message_stop"}),
@@ -283,7 +283,7 @@ def test_golden_reasoning_then_text_frames() -> None:
     assert accumulate(anthropic_request(), deltas) == message | {
         "content": [{"type": "thinking", "thinking": "Think.", "signature": signature}, {"type": "text", "text": "Hi there"}],
         "stop_reason": "end_turn",
-        "usage": {"input_tokens": 4, "output_tokens": 6},
+        "usage": {"input_tokens": 4, "output_tokens": 6, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
     }
 
 
@@ -300,3 +300,11 @@ def test_interleaved_parallel_calls_stream_one_block_at_a_time_and_drop_no_argum
     content = accumulate(req, SCENARIOS["interleaved_parallel_calls"])["content"]
     assert [b.get("input") for b in content] == [None, {"city": "Paris"}, {"tz": "CET"}, None]
     assert [b.get("text") for b in content] == ["Both.", None, None, " Done."]
+def test_cached_prompt_tokens_are_reported_as_cache_reads_and_left_out_of_input_tokens() -> None:
+    finish = Finish(reason=FinishReason.STOP, usage=Usage(prompt_tokens=40, completion_tokens=3, cached_tokens=32))
+    req = anthropic_request()
+    deltas: list[StreamDelta] = [Content(text="abc"), finish]
+    message_delta = next(e for e in payloads(replay(req, deltas)) if e["type"] == "message_delta")
+    expected = {"input_tokens": 8, "output_tokens": 3, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 32}
+    assert message_delta["usage"] == expected
+    assert accumulate(req, deltas)["usage"] == expected == sdk_message(replay(req, deltas))["usage"]

@@ -147,3 +147,13 @@ def _accumulated(scenario: str) -> ChatCompletionAccumulator:
     for delta in SCENARIOS[scenario]:
         acc.feed(delta)
     return acc
+def test_the_non_streaming_body_reports_the_cached_prompt_tokens_of_the_finish() -> None:
+    from shared.deltas import Content, Finish, FinishReason, Usage
+
+    req = request(Protocol.OPENAI_CHAT)
+    acc = ChatCompletionAccumulator(req)
+    for delta in (Content(text="hi"), Finish(reason=FinishReason.STOP, usage=Usage(prompt_tokens=40, completion_tokens=1, cached_tokens=32))):
+        acc.feed(delta)
+    body = ChatCompletion.model_validate(chat_completion_body(req, [acc]))
+    assert body.usage is not None and body.usage.prompt_tokens_details is not None
+    assert (body.usage.prompt_tokens, body.usage.prompt_tokens_details.cached_tokens) == (40, 32)

@@ -214,3 +214,17 @@ def test_bad_input_is_rejected_naming_the_parameter(value: dict[str, Any], param
 
 def test_a_body_that_is_not_an_object_is_rejected() -> None:
     assert error_for(["not", "an", "object"]).param is None
+
+
+def test_cache_control_on_system_tools_and_message_blocks_is_accepted_and_changes_nothing() -> None:
+    mark = {"type": "ephemeral"}
+    tool = {"name": "get_weather", "description": "Weather now.", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    plain = body(system=[{"type": "text", "text": "Be brief."}], tools=[tool], messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+    marked = body(
+        system=[{"type": "text", "text": "Be brief.", "cache_control": mark}],
+        tools=[{**tool, "cache_control": mark}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}],
+    )
+    a, b = parsed(plain), parsed(marked)
+    assert a.messages == b.messages and a.tools == b.tools
+    assert a.messages[0] == Message(role=Role.SYSTEM, content=(TextPart(text="Be brief."),))

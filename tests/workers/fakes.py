@@ -30,9 +30,10 @@ INFO = ModelInfo(name="fake", max_model_len=256, eos_token_ids=(EOS,), sampling_
 class ScriptedRunner:
     """Emits each sequence's scripted text byte by byte (then EOS); records every plan it ran."""
 
-    def __init__(self, script: Callable[[Sequence], str], *, num_slots: int = 4, max_len: int = 256) -> None:
+    def __init__(self, script: Callable[[Sequence], str], *, num_blocks: int = 64, max_len: int = 256) -> None:
         self.script = script
-        self.num_slots = num_slots
+        self.num_blocks = num_blocks
+        self.block_size = 16
         self.max_len = max_len
         self.plans: list[StepPlan] = []
         self.released: list[str] = []

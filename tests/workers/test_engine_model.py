@@ -1,5 +1,6 @@
-"""The real default model through the engine and the slot KV cache: batched, chunked and joining
-mid-batch, greedy output equals transformers' own `generate` for each prompt alone."""
+"""The real default model through the engine and the paged KV cache: batched, chunked, joining
+mid-batch, preempted when the block pool runs out, and reusing cached prefixes — greedy output
+equals transformers' own forward for each prompt alone."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def request(renderer: PromptRenderer, i: int, max_tokens: int) -> Request:
 
 def test_batched_chunked_generation_equals_generate_alone(parts: tuple[PromptRenderer, object]) -> None:
     renderer, model = parts
-    runner = TorchRunner(model, max_len=512, kv_budget_mb=128, max_slots=4, device=torch.device("cpu"), dtype=torch.float32)
+    runner = TorchRunner(model, max_len=512, kv_budget_mb=128, device=torch.device("cpu"), dtype=torch.float32)
     engine = Engine(runner, renderer.tokenizer, renderer.info, settings=Settings(max_running=4, max_tokens_per_step=24))
     requests = [request(renderer, i, max_tokens=20) for i in range(4)]
     tokens: dict[str, list[int]] = {r.id: [] for r in requests}
@@ -59,7 +60,7 @@ def test_batched_chunked_generation_equals_generate_alone(parts: tuple[PromptRen
                 tokens[e.request_id].extend(e.delta.token_ids)
         if not engine.has_work():
             break
-    assert runner.num_slots == 4 and engine.stats.batch_peak == 4
+    assert engine.stats.batch_peak == 4
     for r in requests:
         assert tokens[r.id] == greedy_alone(model, list(r.prompt_token_ids), 20), r.id
 
@@ -77,8 +78,8 @@ def greedy_alone(model: object, prompt: list[int], n: int) -> list[int]:
 
 def test_preemption_under_a_tiny_kv_budget_still_gives_every_request_its_exact_greedy_output(parts: tuple[PromptRenderer, object]) -> None:
     renderer, model = parts
-    runner = TorchRunner(model, max_len=512, kv_budget_mb=48, max_slots=8, device=torch.device("cpu"), dtype=torch.float32)
-    assert runner.num_slots == 2  # room for two sequences only
+    runner = TorchRunner(model, max_len=512, kv_budget_mb=4, device=torch.device("cpu"), dtype=torch.float32)
+    assert runner.num_blocks == 5  # 80 tokens: one request of ~37 + 16 at a time, two only while short
     engine = Engine(runner, renderer.tokenizer, renderer.info, settings=Settings(max_running=8, max_tokens_per_step=64))
     requests = [replace(request(renderer, i, max_tokens=16), priority=3 - i) for i in range(4)]  # later arrivals outrank earlier ones
     tokens: dict[str, list[int]] = {r.id: [] for r in requests}
@@ -94,3 +95,30 @@ def test_preemption_under_a_tiny_kv_budget_still_gives_every_request_its_exact_g
     assert engine.scheduler.preemptions >= 2
     for r in requests:
         assert tokens[r.id] == greedy_alone(model, list(r.prompt_token_ids), 16), r.id
+
+
+SYSTEM = "You are a careful assistant for a small bakery. " * 12
+
+
+def test_prefix_cache_reuse_gives_the_exact_greedy_output_of_a_full_prefill(parts: tuple[PromptRenderer, object]) -> None:
+    renderer, model = parts
+    runner = TorchRunner(model, max_len=512, kv_budget_mb=64, device=torch.device("cpu"), dtype=torch.float32)
+    engine = Engine(runner, renderer.tokenizer, renderer.info, settings=Settings(max_running=4, max_tokens_per_step=64))
+    requests = []
+    for i, question in enumerate(QUESTIONS[:3]):
+        messages = (Message(role=Role.SYSTEM, content=(TextPart(text=SYSTEM),)), Message(role=Role.USER, content=(TextPart(text=question),)))
+        req = Request(id=f"s{i}", protocol=Protocol.OPENAI_CHAT, model="m", messages=messages, sampling=SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        requests.append(replace(req, prompt_token_ids=tuple(renderer.render(req))))
+    tokens: dict[str, list[int]] = {r.id: [] for r in requests}
+    cached: dict[str, int] = {}
+    for r in requests:  # one after another: each later one finds the system prompt cached
+        engine.add(r)
+        while engine.has_work():
+            for e in engine.step():
+                if isinstance(e.delta, (Content, Finish)):
+                    tokens[e.request_id].extend(e.delta.token_ids)
+                if isinstance(e.delta, Finish):
+                    cached[e.request_id] = e.delta.usage.cached_tokens
+    assert cached["s0"] == 0 and cached["s1"] >= 96 and cached["s2"] >= 96
+    for r in requests:
+        assert tokens[r.id] == greedy_alone(model, list(r.prompt_token_ids), 12), r.id

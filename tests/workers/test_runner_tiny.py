@@ -1,5 +1,5 @@
 """The torch runner with a tiny random-init Llama (fast): seeds are batch-independent, batching and
-slot reuse don't change a sequence's tokens, and a deadline ends a request with a timeout finish."""
+block reuse don't change a sequence's tokens, and a deadline ends a request with a timeout finish."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def tiny() -> LlamaForCausalLM:
 
 
 def run(model: LlamaForCausalLM, requests: list, *, slots: int = 8, settings: Settings | None = None) -> dict[str, list[int]]:  # type: ignore[type-arg]
-    runner = TorchRunner(model, max_len=128, kv_budget_mb=64, max_slots=slots, device=torch.device("cpu"), dtype=torch.float32)
+    runner = TorchRunner(model, max_len=128, kv_budget_mb=64, device=torch.device("cpu"), dtype=torch.float32)
     engine = Engine(runner, ByteTokenizer(), INFO, settings=settings or Settings(max_running=slots, max_tokens_per_step=256))
     for r in requests:
         engine.add(r)
@@ -62,7 +62,7 @@ def test_logit_bias_plus_100_forces_a_token(tiny: LlamaForCausalLM) -> None:
     assert forced == [123] * 8
 
 
-def test_slot_reuse_after_a_finish_does_not_leak_into_the_next_sequence(tiny: LlamaForCausalLM) -> None:
+def test_block_reuse_after_a_finish_does_not_leak_into_the_next_sequence(tiny: LlamaForCausalLM) -> None:
     greedy = make_request("x", prompt_len=6, max_tokens=16, ignore_eos=True, temperature=0.0)
     reference = run(tiny, [greedy])["x"]
     before = [replace(make_request(f"p{i}", prompt_len=30, max_tokens=5, ignore_eos=True, temperature=0.0)) for i in range(2)]
@@ -71,7 +71,7 @@ def test_slot_reuse_after_a_finish_does_not_leak_into_the_next_sequence(tiny: Ll
 
 
 def test_a_request_past_its_deadline_ends_with_a_timeout_finish(tiny: LlamaForCausalLM) -> None:
-    runner = TorchRunner(tiny, max_len=128, kv_budget_mb=16, max_slots=2, device=torch.device("cpu"), dtype=torch.float32)
+    runner = TorchRunner(tiny, max_len=128, kv_budget_mb=16, device=torch.device("cpu"), dtype=torch.float32)
     now = [1000.0]
     engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=2, request_timeout=5.0), clock=lambda: now[0])
     engine.add(replace(make_request("slow", max_tokens=100, ignore_eos=True), created=999.0))
@@ -80,3 +80,80 @@ def test_a_request_past_its_deadline_ends_with_a_timeout_finish(tiny: LlamaForCa
     [end] = engine.step()
     assert end.request_id == "slow" and isinstance(end.delta, Finish) and end.delta.reason is FinishReason.TIMEOUT
     assert not engine.has_work()
+
+
+def one_after_another(model: LlamaForCausalLM, requests: list, *, prefix_cache: bool, budget_mb: int = 64) -> tuple[dict[str, list[int]], dict[str, int]]:  # type: ignore[type-arg]
+    runner = TorchRunner(model, max_len=128, kv_budget_mb=budget_mb, device=torch.device("cpu"), dtype=torch.float32)
+    engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=4, max_tokens_per_step=40, prefix_cache=prefix_cache))
+    tokens: dict[str, list[int]] = {r.id: [] for r in requests}
+    cached: dict[str, int] = {}
+    for r in requests:
+        engine.add(r)
+        for _ in range(500):
+            if not engine.has_work():
+                break
+            for e in engine.step():
+                if isinstance(e.delta, (Content, Finish)):
+                    tokens[e.request_id].extend(e.delta.token_ids)
+                if isinstance(e.delta, Finish):
+                    cached[e.request_id] = e.delta.usage.cached_tokens
+    return tokens, cached
+
+
+def test_greedy_output_is_token_identical_with_and_without_the_prefix_cache(tiny: LlamaForCausalLM) -> None:
+    shared = [(i * 37) % 250 + 1 for i in range(50)]
+    prompts = [shared + [200 + k] * (3 + k) for k in range(4)] + [shared[:33], shared[:48]]
+    requests = [replace(make_request(f"p{i}", max_tokens=20, ignore_eos=True, temperature=0.0), prompt_token_ids=tuple(p)) for i, p in enumerate(prompts)]
+    plain, none_cached = one_after_another(tiny, requests, prefix_cache=False)
+    cached, cached_tokens = one_after_another(tiny, requests, prefix_cache=True)
+    assert set(none_cached.values()) == {0}
+    assert cached_tokens == {"p0": 0, "p1": 48, "p2": 48, "p3": 48, "p4": 32, "p5": 32}
+    assert cached == plain and all(len(t) == 20 for t in plain.values())
+
+
+def test_sequences_preempted_when_the_pool_runs_out_resume_token_identical() -> None:
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=257, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+    wide = LlamaForCausalLM(config).eval()  # 4 KiB of fp32 KV a token: 1 MiB holds 256 tokens
+    long = [replace(make_request(f"g{i}", max_tokens=80, ignore_eos=True, temperature=0.0), prompt_token_ids=tuple([i + 1] * 40)) for i in range(4)]
+    alone = {r.id: run(wide, [r])[r.id] for r in long}
+    runner = TorchRunner(wide, max_len=128, kv_budget_mb=1, device=torch.device("cpu"), dtype=torch.float32)
+    assert runner.num_blocks * runner.block_size == 256 < 4 * 120
+    engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=4, max_tokens_per_step=64))
+    for r in long:
+        engine.add(r)
+    tokens: dict[str, list[int]] = {r.id: [] for r in long}
+    while engine.has_work():
+        for e in engine.step():
+            if isinstance(e.delta, (Content, Finish)):
+                tokens[e.request_id].extend(e.delta.token_ids)
+    assert engine.scheduler.preemptions >= 1
+    assert tokens == alone
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_each_llama_family_model_runs_on_the_paged_path_with_the_output_of_its_own_forward(family: str) -> None:
+    import transformers
+
+    config_class = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}[family]
+    model_class = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}[family]
+    torch.manual_seed(2)
+    config = getattr(transformers, config_class)(
+        vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    )
+    model = getattr(transformers, model_class)(config).eval()
+    prompts = [[(i * 7 + k) % 250 + 1 for i in range(n)] for k, n in enumerate((5, 21, 40))]  # partial, past one block, past two
+    requests = [replace(make_request(f"f{k}", max_tokens=12, ignore_eos=True, temperature=0.0), prompt_token_ids=tuple(p)) for k, p in enumerate(prompts)]
+    together = run(model, requests)
+    for r, prompt in zip(requests, prompts, strict=True):
+        assert together[r.id] == own_greedy(model, prompt, 12), (family, r.id)
+
+
+@torch.inference_mode()
+def own_greedy(model: object, prompt: list[int], n: int) -> list[int]:
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)  # type: ignore[operator]
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(n - 1):
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)  # type: ignore[operator]
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
