@@ -4,6 +4,13 @@ Owns: turning sampled token ids into `StreamDelta`s (incremental detokenization,
 back and never emitted, EOS / stop-token / max-token / deadline finishes, usage), and the figures
 the worker reports (batch sizes, token counts). Must not: touch Redis (workers.loop does) or torch
 (the injected runner does).
+
+Constrained requests (`models.grammar.grammar_for`) get an llguidance matcher on their `Sequence`:
+the runner's sampler masks their logits with it, and the engine advances it with every accepted
+token — also with the tokens an earlier attempt emitted, on resume; a preempted sequence keeps its
+matcher, so recompute needs nothing more. A grammar that does not compile, or a token it refuses
+(a dead end), ends that request alone with one `Error` delta; once the grammar is complete the
+request finishes at once (STOP), without spending a step on the EOS the mask would force.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from models.grammar import Grammars, grammar_for
 from models.prompt import ModelInfo
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, StreamDelta, TokenLogprob, Usage, is_terminal
 from shared.ir import Request, resolve
@@ -76,6 +84,7 @@ class Engine:
         self.clock = clock
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
+        self.grammars: Grammars | None = None  # built on the first constrained request (tokenizer-bound)
 
     def add(self, request: Request, *, attempt: int = 1, resume: tuple[int, ...] = ()) -> list[Emission]:
         """Queue a request. `resume` holds the tokens an earlier attempt already emitted: they are
@@ -90,13 +99,33 @@ class Engine:
         for token in resume:
             state.detok.push(token)  # the text of these tokens was delivered by the earlier attempt
         seq.state = state
+        refused = self._attach_grammar(seq, resume)
+        if refused is not None:
+            return [Emission(request.id, refused)]
         self._seqs[request.id] = seq
         self.scheduler.add(seq)
         if resume and resume[-1] in self.info.eos_token_ids and not request.sampling.ignore_eos:
             return [self._finish(seq, FinishReason.STOP)]
+        if seq.grammar is not None and seq.grammar.is_stopped():
+            return [self._finish(seq, FinishReason.STOP)]
         if len(resume) >= max_tokens:
             return [self._finish(seq, FinishReason.LENGTH)]
         return []
+
+    def _attach_grammar(self, seq: Sequence, resume: tuple[int, ...]) -> Error | None:
+        """Give a constrained sequence its matcher, replayed over `resume`; an Error if that fails."""
+        grammar = grammar_for(seq.request)
+        if grammar is None:
+            return None
+        if self.grammars is None:
+            self.grammars = Grammars.for_model(self.tokenizer, self.info.eos_token_ids)
+        matcher = self.grammars.matcher(grammar)
+        if not matcher.is_error() and resume:
+            matcher.consume_tokens(list(resume))
+        if matcher.is_error():
+            return Error(message=f"The output constraint cannot be applied: {_first_line(matcher.get_error())}", kind=ErrorKind.INVALID_REQUEST, attempt=seq.attempt)
+        seq.grammar = matcher
+        return None
 
     def discard(self, request_id: str) -> None:
         """Forget a request without emitting anything (another worker owns it now)."""
@@ -163,6 +192,8 @@ class Engine:
         seq.output.append(token)
         if sampled.logprob is not None:
             state.pending_logprobs.append(self._logprob(sampled))
+        if seq.grammar is not None and not seq.grammar.consume_token(token):
+            return [self._fail(seq, f"The output reached a dead end of its constraint: {_first_line(seq.grammar.get_error())}")]
         params = seq.request.sampling
         out: list[Emission] = []
         may_stop = len(seq.output) > params.min_tokens
@@ -176,6 +207,9 @@ class Engine:
         self._emit_text(seq, text, out)
         if matched is not None:
             out.append(self._finish(seq, FinishReason.STOP_SEQUENCE, matched_stop=matched))
+        elif seq.grammar is not None and seq.grammar.is_stopped():
+            self._emit_text(seq, state.stops.flush(), out)
+            out.append(self._finish(seq, FinishReason.STOP))
         elif len(seq.output) >= state.max_tokens or seq.length >= self.runner.max_len:
             self._emit_text(seq, state.stops.flush(), out)
             out.append(self._finish(seq, FinishReason.LENGTH))
@@ -196,6 +230,11 @@ class Engine:
             out.append(Emission(seq.key, content))
             state.pending_ids, state.pending_logprobs = [], []
 
+    def _fail(self, seq: Sequence, message: str) -> Emission:
+        """End one request with an Error (its constraint failed); the batch goes on."""
+        self._finish(seq, FinishReason.CANCELLED)
+        return Emission(seq.key, Error(message=message, kind=ErrorKind.INVALID_REQUEST, attempt=seq.attempt), batch_max=seq.batch_max)
+
     def _finish(self, seq: Sequence, reason: FinishReason, *, matched_stop: str | None = None) -> Emission:
         state: _TextState = seq.state
         usage = Usage(prompt_tokens=len(seq.request.prompt_token_ids), completion_tokens=len(seq.output))
@@ -205,6 +244,10 @@ class Engine:
         self.scheduler.finish(seq)
         del self._seqs[seq.key]
         return Emission(seq.key, delta, batch_max=seq.batch_max)
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "unknown error"
 
 
 def _with_resolved_sampling(request: Request, info: ModelInfo) -> Request:
