@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from ingest import constraints
 from ingest import fields as f
 from shared.errors import invalid
 from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
@@ -54,6 +55,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         tools=tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS))),
         tool_choice=choice,
         parallel_tool_calls=parallel,
+        constraint=constraints.one_of(body, constraints.anthropic_output_format(body.get("output_config"))),
         return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
         created=created,
         metadata=_metadata(body.get("metadata")),

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from ingest import constraints
 from ingest import fields as f
 from shared.errors import invalid
 from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
@@ -45,6 +46,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice")),
         parallel_tool_calls=f.boolean(body["parallel_tool_calls"], "parallel_tool_calls") if body.get("parallel_tool_calls") is not None else True,
+        constraint=constraints.one_of(body, constraints.chat_response_format(body.get("response_format"))),
         return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
         priority=f.integer(body["priority"], "priority", lo=-(2**31), hi=2**31) if body.get("priority") is not None else 0,
         created=created,

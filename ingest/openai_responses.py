@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from ingest import constraints
 from ingest import fields as f
 from ingest.openai_chat import metadata as metadata_pairs
 from ingest.openai_chat import sampling
@@ -47,7 +48,6 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
     if body.get("max_output_tokens") is not None:
         params = replace(params, max_tokens=f.integer(body["max_output_tokens"], "max_output_tokens", lo=1, hi=f.MAX_TOKENS_CAP))
     store_flag(body)
-    _check_text(body.get("text"))
     return Request(
         id=request_id,
         protocol=Protocol.OPENAI_RESPONSES,
@@ -60,6 +60,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         parallel_tool_calls=f.boolean(body["parallel_tool_calls"], "parallel_tool_calls")
         if body.get("parallel_tool_calls") is not None
         else True,
+        constraint=constraints.one_of(body, constraints.responses_text_format(body.get("text"))),
         return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
         created=created,
         metadata=metadata_pairs(body.get("metadata")),
@@ -213,19 +214,3 @@ def _tool_choice(value: Any) -> str | None:
             f"Invalid value: {choice.get('type')!r}. Supported tool_choice types: 'function'.", "tool_choice.type", "invalid_value"
         )
     return f"function:{f.string(f.require(choice, 'name', 'tool_choice.name'), 'tool_choice.name', allow_empty=False)}"
-
-
-def _check_text(value: Any) -> None:
-    """`text.format` is accepted (text, json_object, json_schema); no constrained decoding is applied."""
-    if value is None:
-        return
-    text = f.obj(value, "text")
-    if text.get("format") is not None:
-        fmt = f.obj(text["format"], "text.format")
-        kind = fmt.get("type")
-        if kind not in ("text", "json_object", "json_schema"):
-            raise invalid(
-                f"Invalid value: {kind!r}. Supported values are: 'text', 'json_object' and 'json_schema'.",
-                "text.format.type",
-                "invalid_value",
-            )

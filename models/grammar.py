@@ -56,18 +56,6 @@ def constraint_grammar(constraint: Constraint) -> str:
     return LLMatcher.grammar_from_lark(constraint.text)
 
 
-def check_json_schema(schema: Any, param: str) -> None:
-    """A JSON Schema a client sent: a valid schema by the jsonschema library's metaschema check."""
-    import jsonschema
-
-    if not isinstance(schema, dict):
-        raise invalid(f"Invalid '{param}': a JSON Schema must be an object.", param, "invalid_json_schema")
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        raise invalid(f"Invalid schema for '{param}': {exc.message}", param, "invalid_json_schema") from None
-
-
 class Grammars:
     """The tokenizer-bound grammar book: `check` (API node) and `matcher` (worker, cached)."""
 
@@ -91,8 +79,6 @@ class Grammars:
             raise invalid(f"Invalid '{param}': {_first_line(error)}", param, "invalid_grammar")
 
     def check_constraint(self, constraint: Constraint) -> None:
-        if constraint.kind is ConstraintKind.JSON_SCHEMA:
-            check_json_schema(json.loads(constraint.text), constraint.param)
         self.check(constraint_grammar(constraint), constraint.param)
 
     def matcher(self, grammar: str) -> LLMatcher:
@@ -122,3 +108,8 @@ def grammar_for(request: Request) -> str | None:
     if request.constraint is not None:
         return constraint_grammar(request.constraint)
     return None
+
+
+def grammar_param(request: Request) -> str:
+    """The client parameter a request's grammar comes from (named in errors)."""
+    return request.constraint.param if request.constraint is not None else "tools"

@@ -41,6 +41,18 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.info = info
         self._specials = _special_pattern(tokenizer)
+        self._grammars: Any = None  # models.grammar.Grammars, built on the first constrained request
+
+    def check_constraint(self, request: Request) -> None:
+        """Raise `ApiError` naming the parameter when the request's grammar does not compile for this tokenizer."""
+        from models.grammar import Grammars, grammar_for, grammar_param
+
+        grammar = grammar_for(request)
+        if grammar is None:
+            return
+        if self._grammars is None:
+            self._grammars = Grammars.for_model(self.tokenizer, self.info.eos_token_ids)
+        self._grammars.check(grammar, grammar_param(request))
 
     @classmethod
     def load(cls, folder: Path, *, name: str, max_model_len: int | None = None) -> PromptRenderer:
