@@ -43,6 +43,10 @@ ApiKeys = Annotated[
     list[str] | None,
     typer.Option("--api-key", help="An API key clients must send (Bearer or x-api-key); repeat for several. No key: every route is open."),
 ]
+ToolParser = Annotated[
+    str | None,
+    typer.Option(help="Tool-call syntax parsed from model output: auto (our hermes-style format), hermes, or none (no parsing, no tool grammar)."),
+]
 ApiKeysFile = Annotated[str | None, typer.Option(help="A file of API keys, one per line (# comments).")]
 RateLimitRpm = Annotated[int | None, typer.Option(help="Requests per minute per API key (0: unlimited); shared by every API node.")]
 RateLimitTpm = Annotated[int | None, typer.Option(help="Tokens per minute per API key (prompt + max_tokens, charged at admission; 0: unlimited).")]
@@ -60,6 +64,11 @@ def _settings(**overrides: object) -> Settings:
     if isinstance(overrides.get("api_keys"), list):  # --api-key, repeated: Settings holds them comma-separated
         overrides["api_keys"] = ",".join(overrides["api_keys"]) or None  # type: ignore[arg-type]
     return Settings.from_env(os.environ).with_overrides(**overrides)
+
+
+def _check_tool_parser(settings: Settings) -> None:
+    if settings.tool_parser not in ("auto", "hermes", "none"):
+        raise typer.BadParameter(f"{settings.tool_parser!r}: choose auto, hermes or none", param_hint="--tool-parser")
 
 
 @app.command()
@@ -91,12 +100,14 @@ def serve(
     rate_limit_period: RateLimitPeriod = None,
     max_body_bytes: MaxBodyBytes = None,
     max_json_depth: MaxJsonDepth = None,
+    tool_parser: ToolParser = None,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="On a terminal, log lines instead of the `met top` dashboard.")] = False,
 ) -> None:
     """Run everything: embedded Redis (unless --redis-url), the API and N workers. Ctrl-C stops all."""
     overrides = dict(locals())
     tui = not overrides.pop("no_tui") and sys.stdin.isatty() and sys.stdout.isatty()
     settings = _settings(**overrides)
+    _check_tool_parser(settings)
     from cli.serve import serve as run
 
     run(settings, tui=tui)
@@ -149,9 +160,11 @@ def worker(
     max_deliveries: MaxDeliveries = None,
     dump_ttl: DumpTtl = None,
     served_model_name: ServedName = None,
+    tool_parser: ToolParser = None,
 ) -> None:
     """Run one worker: claim requests from --redis-url, generate, append deltas."""
     settings = _settings(**locals())
+    _check_tool_parser(settings)
     from workers.main import run_worker
 
     if not settings.redis_url:

@@ -11,6 +11,7 @@ Must not: do I/O or import llguidance (that check needs the tokenizer, which the
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jsonschema
@@ -18,7 +19,7 @@ import orjson
 
 from ingest import fields as f
 from shared.errors import invalid
-from shared.ir import Constraint, ConstraintKind
+from shared.ir import Constraint, ConstraintKind, ToolSpec
 
 EXTENSIONS = ("regex", "choice", "grammar")
 MAX_CHOICES = 256
@@ -118,3 +119,32 @@ def anthropic_output_format(value: Any) -> Constraint | None:
     if kind != "json_schema":
         raise invalid(f"Invalid value: {kind!r}. Supported values are: 'json_schema'.", "output_config.format.type", "invalid_value")
     return json_schema(f.require(fmt, "schema", "output_config.format.schema"), "output_config.format.schema")
+
+
+_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+def tool_name(value: Any, param: str) -> str:
+    """A function name as every protocol allows it: ^[a-zA-Z0-9_-]{1,64}$."""
+    name = f.string(value, param, allow_empty=False)
+    if not _TOOL_NAME.match(name):
+        raise invalid(f"Invalid '{param}': {name!r} does not match '^[a-zA-Z0-9_-]{{1,64}}$'.", param, "invalid_value")
+    return name
+
+
+def tool_parameters(value: Any, param: str) -> str:
+    """A tool's parameters / input_schema: an object schema that passes its metaschema, as JSON text."""
+    schema = check_json_schema({} if value is None else value, param)
+    if schema.get("type", "object") != "object":
+        raise invalid(f"Invalid '{param}': a tool's parameters must be a JSON Schema of type 'object'.", param, "invalid_json_schema")
+    return orjson.dumps(schema).decode()
+
+
+def check_tool_choice(tools: tuple[ToolSpec, ...], choice: str | None, param: str) -> None:
+    """A named choice must name one of `tools`; `required` needs at least one tool."""
+    if choice == "required" and not tools:
+        raise invalid("'tool_choice' requires at least one tool in 'tools'.", param, "invalid_value")
+    if choice is not None and choice.startswith("function:"):
+        name = choice.removeprefix("function:")
+        if name not in {t.name for t in tools}:
+            raise invalid(f"Invalid '{param}': no tool named {name!r} in 'tools'.", param, "invalid_value")

@@ -103,11 +103,14 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else message
 
 
-def grammar_for(request: Request) -> str | None:
-    """The grammar a request's output must match, or None when it is free text."""
+def grammar_for(request: Request, *, tools: bool = True) -> str | None:
+    """The grammar a request's output must match, or None when it is free text. A structured-output
+    constraint wins over tools; `tools=False` (`--tool-parser none`) leaves tool calls unconstrained."""
+    from models.tools import tool_grammar
+
     if request.constraint is not None:
         return constraint_grammar(request.constraint)
-    return None
+    return tool_grammar(request) if tools else None
 
 
 def grammar_param(request: Request) -> str:

@@ -172,4 +172,5 @@ def message_from_dict(doc: dict[str, Any]) -> Message:
         tool_calls=tuple(ToolCall(**c) for c in doc.get("tool_calls", ())),
         tool_call_id=doc.get("tool_call_id"),
         reasoning=doc.get("reasoning"),
+        is_error=bool(doc.get("is_error", False)),
     )

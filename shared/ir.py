@@ -60,6 +60,7 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     reasoning: str | None = None
+    is_error: bool = False  # a tool result that reports a failure (Anthropic `tool_result.is_error`)
 
     @property
     def text(self) -> str:

@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from models.grammar import Grammars, grammar_for
 from models.prompt import ModelInfo
+from models.tools import calls_enabled
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, StreamDelta, TokenLogprob, Usage, is_terminal
 from shared.ir import Request, resolve
 from shared.settings import Settings
 from workers.detok import IncrementalDetokenizer, StopMatcher
 from workers.scheduler import Sampled, Scheduler, Sequence, StepPlan
+from workers.tools import HermesParser
 
 
 class Runner(Protocol):
@@ -60,6 +62,7 @@ class _TextState:
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     max_tokens: int = 0
+    tools: HermesParser | None = None  # the tool-call parser, when the request may call tools
 
 
 @dataclass
@@ -85,6 +88,7 @@ class Engine:
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self.grammars: Grammars | None = None  # built on the first constrained request (tokenizer-bound)
+        self.tool_parser = settings.tool_parser
 
     def add(self, request: Request, *, attempt: int = 1, resume: tuple[int, ...] = ()) -> list[Emission]:
         """Queue a request. `resume` holds the tokens an earlier attempt already emitted: they are
@@ -96,8 +100,12 @@ class Engine:
         seq = Sequence(request=request, prompt=list(request.prompt_token_ids), attempt=attempt, output=list(resume))
         seq.context = seq.prompt + seq.output
         state = _TextState(IncrementalDetokenizer(self.tokenizer), StopMatcher(request.sampling.stop), max_tokens=max_tokens)
+        if calls_enabled(request) and self.tool_parser != "none":
+            state.tools = HermesParser(f"call_{request.id}")
         for token in resume:
-            state.detok.push(token)  # the text of these tokens was delivered by the earlier attempt
+            replayed = state.detok.push(token)  # the text of these tokens was delivered by the earlier attempt
+            if state.tools is not None:
+                state.tools.push(replayed)  # so the parser is where it was (its deltas were delivered too)
         seq.state = state
         refused = self._attach_grammar(seq, resume)
         if refused is not None:
@@ -114,7 +122,7 @@ class Engine:
 
     def _attach_grammar(self, seq: Sequence, resume: tuple[int, ...]) -> Error | None:
         """Give a constrained sequence its matcher, replayed over `resume`; an Error if that fails."""
-        grammar = grammar_for(seq.request)
+        grammar = grammar_for(seq.request, tools=self.tool_parser != "none")
         if grammar is None:
             return None
         if self.grammars is None:
@@ -199,19 +207,20 @@ class Engine:
         may_stop = len(seq.output) > params.min_tokens
         if may_stop and ((token in self.info.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids):
             state.pending_ids.append(token)
-            self._emit_text(seq, state.stops.flush(), out)
+            self._emit_final(seq, state.stops.flush(), out)
             out.append(self._finish(seq, FinishReason.STOP))
             return out
         state.pending_ids.append(token)
         text, matched = state.stops.push(state.detok.push(token))
         self._emit_text(seq, text, out)
         if matched is not None:
+            self._emit_final(seq, "", out)
             out.append(self._finish(seq, FinishReason.STOP_SEQUENCE, matched_stop=matched))
         elif seq.grammar is not None and seq.grammar.is_stopped():
-            self._emit_text(seq, state.stops.flush(), out)
+            self._emit_final(seq, state.stops.flush(), out)
             out.append(self._finish(seq, FinishReason.STOP))
         elif len(seq.output) >= state.max_tokens or seq.length >= self.runner.max_len:
-            self._emit_text(seq, state.stops.flush(), out)
+            self._emit_final(seq, state.stops.flush(), out)
             out.append(self._finish(seq, FinishReason.LENGTH))
         return out
 
@@ -223,12 +232,23 @@ class Engine:
         top = tuple((text(t), t, lp) for t, lp in sampled.top)
         return TokenLogprob(token=text(sampled.token), token_id=sampled.token, logprob=sampled.logprob, top=top)
 
-    def _emit_text(self, seq: Sequence, text: str, out: list[Emission]) -> None:
+    def _emit_text(self, seq: Sequence, text: str, out: list[Emission], *, final: bool = False) -> None:
+        """Text → deltas (through the tool-call parser when calls are on); the pending token ids and
+        logprobs ride on the first delta, so every generated token is in exactly one delta."""
         state: _TextState = seq.state
-        if text:
-            content = Content(text=text, token_ids=tuple(state.pending_ids), attempt=seq.attempt, logprobs=tuple(state.pending_logprobs))
-            out.append(Emission(seq.key, content))
+        if state.tools is not None:
+            deltas = state.tools.push(text) + (state.tools.flush() if final else [])
+        else:
+            deltas = [Content(text=text)] if text else []
+        for delta in deltas:
+            extra: dict[str, Any] = {"token_ids": tuple(state.pending_ids), "attempt": seq.attempt}
+            if isinstance(delta, Content):
+                extra["logprobs"] = tuple(state.pending_logprobs)
+            out.append(Emission(seq.key, replace(delta, **extra)))
             state.pending_ids, state.pending_logprobs = [], []
+
+    def _emit_final(self, seq: Sequence, text: str, out: list[Emission]) -> None:
+        self._emit_text(seq, text, out, final=True)
 
     def _fail(self, seq: Sequence, message: str) -> Emission:
         """End one request with an Error (its constraint failed); the batch goes on."""
@@ -237,6 +257,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, *, matched_stop: str | None = None) -> Emission:
         state: _TextState = seq.state
+        if reason in (FinishReason.STOP, FinishReason.STOP_SEQUENCE) and state.tools is not None and state.tools.calls:
+            reason, matched_stop = FinishReason.TOOL_CALLS, None
         usage = Usage(prompt_tokens=len(seq.request.prompt_token_ids), completion_tokens=len(seq.output))
         delta = Finish(reason=reason, usage=usage, matched_stop=matched_stop, token_ids=tuple(state.pending_ids), attempt=seq.attempt)
         if seq.slot is not None:
