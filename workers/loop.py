@@ -254,6 +254,8 @@ class WorkerLoop:
             "prefill_tokens": stats.prefill_tokens,
             "decode_tokens": stats.decode_tokens,
             "step_ms": round(stats.last_step_s * 1000, 2),
+            "mask_ms_total": round(getattr(runner, "mask_s", 0.0) * 1000, 3),  # grammar masks (constrained rows only)
+            "masked_steps": getattr(runner, "masked_steps", 0),
             "prefill_tps": round(prefill_tps, 1),
             "decode_tps": round(decode_tps, 1),
             "kv_used_tokens": sum(s.computed for s in sched.running),

@@ -185,3 +185,50 @@ def test_rows_without_a_matcher_do_no_mask_work(tokenizer: Any, info: ModelInfo)
     processed = process_logits(logits, [free, replace(free, grammar=matcher)])
     assert torch.equal(processed[0], process_logits(logits[:1], [free])[0])
     assert processed[1].isfinite().nonzero().flatten().tolist() == [tokenizer.convert_tokens_to_ids("7")]
+
+
+CALL_TEXT = 'Checking.<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>'
+
+
+class ScriptRunner:
+    """Emits a fixed text's tokens (then EOS) for every sequence, whatever the masks say."""
+
+    def __init__(self, tokens: list[int], eos: int) -> None:
+        self.tokens, self.eos = tokens, eos
+        self.num_slots, self.max_len = 4, 256
+
+    def execute(self, plan: StepPlan) -> list[Sampled]:
+        ready = list(plan.decode) + [c.seq for c in plan.prefill if c.completes_prompt]
+        return [Sampled(s, self.tokens[len(s.output)] if len(s.output) < len(self.tokens) else self.eos) for s in ready]
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+def tool_request() -> Request:
+    from shared.ir import ToolSpec
+
+    spec = ToolSpec(name="get_weather", parameters_json=json.dumps({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}))
+    return replace(ask("t"), tools=(spec,), tool_choice="auto")
+
+
+def test_a_tool_call_resumed_mid_arguments_continues_the_same_call(tokenizer: Any, info: ModelInfo) -> None:
+    from shared.deltas import ToolCallArgs, ToolCallStart
+
+    tokens = tokenizer.encode(CALL_TEXT)
+    whole = drain(engine := Engine(ScriptRunner(tokens, info.eos_token_ids[0]), tokenizer, info, settings=Settings()), engine.add(tool_request()))["t"]
+    assert text_of(whole) == "Checking." and whole[-1].reason is FinishReason.TOOL_CALLS
+    start = next(d for d in whole if isinstance(d, ToolCallStart))
+    assert (start.id, start.name) == ("call_t_0", "get_weather")
+    assert "".join(d.arguments for d in whole if isinstance(d, ToolCallArgs)) == '{"city":"Paris"}'
+    emitted = [t for d in whole for t in d.token_ids]
+    assert emitted == [*tokens, info.eos_token_ids[0]]  # every token in exactly one delta
+    cut = len(tokens) - 6  # inside the arguments
+    counts = [sum(len(x.token_ids) for x in whole[: i + 1]) for i in range(len(whole))]
+    delivered = whole[: next(i for i, c in enumerate(counts) if c > cut)]  # what attempt 1 wrote before dying
+    resume = tuple(t for d in delivered for t in d.token_ids)
+    engine = Engine(ScriptRunner(tokens, info.eos_token_ids[0]), tokenizer, info, settings=Settings())
+    rest = drain(engine, engine.add(tool_request(), attempt=2, resume=resume))["t"]
+    assert not any(isinstance(d, ToolCallStart) for d in rest)  # the call was already opened by attempt 1
+    args = "".join(d.arguments for d in [*delivered, *rest] if isinstance(d, ToolCallArgs))
+    assert args == '{"city":"Paris"}' and rest[-1].reason is FinishReason.TOOL_CALLS
