@@ -150,3 +150,28 @@ def test_bad_tool_input_is_a_400_naming_the_parameter_and_nothing_is_queued(live
         assert doc["error"]["type"] == "invalid_request_error" and doc["error"]["param"] == param
     assert r.xlen(keys.REQUEST_STREAM) == before
     r.close()
+
+
+def test_auto_gives_text_or_schema_valid_calls_and_the_stream_matches(gpt: openai.OpenAI) -> None:
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.", "parameters": SCHEMA}}]
+    common: Any = {"model": "m", "messages": [{"role": "user", "content": QUESTION}], "tools": tools, "max_tokens": 60, "temperature": 0.0}
+    want = gpt.chat.completions.create(**common).choices[0]
+    text, finish, calls_seen = "", None, {}  # the stream, accumulated by hand (the SDK helper refuses a length cut with tools)
+    for chunk in gpt.chat.completions.create(**common, stream=True):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            for d in choice.delta.tool_calls or []:
+                entry = calls_seen.setdefault(d.index, ["", ""])
+                entry[0] += (d.function.name or "") if d.function else ""
+                entry[1] += (d.function.arguments or "") if d.function else ""
+    assert (finish, text or None) == (want.finish_reason, want.message.content)
+    calls = want.message.tool_calls or []
+    assert [(c.function.name, c.function.arguments) for c in calls] == [tuple(v) for _, v in sorted(calls_seen.items())]  # type: ignore[union-attr]
+    if calls:
+        assert want.finish_reason == "tool_calls"
+        for call in calls:
+            assert call.function.name == "get_weather"  # type: ignore[union-attr]
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMA)  # type: ignore[union-attr]
+    else:
+        assert want.message.content and "<tool_call>" not in want.message.content
