@@ -46,6 +46,10 @@ ApiKeys = Annotated[
     list[str] | None,
     typer.Option("--api-key", help="An API key clients must send (Bearer or x-api-key); repeat for several. No key: every route is open."),
 ]
+ToolParser = Annotated[
+    str | None,
+    typer.Option(help="Tool-call syntax parsed from model output: auto (our hermes-style format), hermes, or none (no parsing, no tool grammar)."),
+]
 ApiKeysFile = Annotated[str | None, typer.Option(help="A file of API keys, one per line (# comments).")]
 RateLimitRpm = Annotated[int | None, typer.Option(help="Requests per minute per API key (0: unlimited); shared by every API node.")]
 RateLimitTpm = Annotated[int | None, typer.Option(help="Tokens per minute per API key (prompt + max_tokens, charged at admission; 0: unlimited).")]
@@ -83,6 +87,11 @@ def _settings(**overrides: object) -> Settings:
         raise typer.BadParameter(f"{choice!r}: use auto, none or an existing generation_config.json file", param_hint="--generation-config")
     logs.configure(settings.log_format)
     return settings
+
+
+def _check_tool_parser(settings: Settings) -> None:
+    if settings.tool_parser not in ("auto", "hermes", "none"):
+        raise typer.BadParameter(f"{settings.tool_parser!r}: choose auto, hermes or none", param_hint="--tool-parser")
 
 
 @app.command()
@@ -126,12 +135,14 @@ def serve(
     default_repetition_penalty: DefaultRepetitionPenalty = None,
     default_max_tokens: DefaultMaxTokens = None,
     log_format: LogFormat = None,
+    tool_parser: ToolParser = None,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="On a terminal, log lines instead of the `met top` dashboard.")] = False,
 ) -> None:
     """Run everything: embedded Redis (unless --redis-url), the API and N workers. Ctrl-C stops all."""
     overrides = dict(locals())
     tui = not overrides.pop("no_tui") and sys.stdin.isatty() and sys.stdout.isatty()
     settings = _settings(**overrides)
+    _check_tool_parser(settings)
     from cli.serve import serve as run
 
     run(settings, tui=tui)
@@ -197,9 +208,11 @@ def worker(
     default_repetition_penalty: DefaultRepetitionPenalty = None,
     default_max_tokens: DefaultMaxTokens = None,
     log_format: LogFormat = None,
+    tool_parser: ToolParser = None,
 ) -> None:
     """Run one worker: claim requests from --redis-url, generate, append deltas."""
     settings = _settings(**locals())
+    _check_tool_parser(settings)
     from workers.main import run_worker
 
     if not settings.redis_url:

@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from ingest import constraints
 from ingest import fields as f
 from shared.errors import invalid
 from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
@@ -36,6 +37,8 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         messages.extend(_message(m, f"messages[{i}]"))
     _check_thinking(body.get("thinking"))
     choice, parallel = _tool_choice(body.get("tool_choice"))
+    tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS)))
+    constraints.check_tool_choice(tools, choice, "tool_choice.name" if choice and choice.startswith("function:") else "tool_choice")
     return Request(
         id=request_id,
         protocol=Protocol.ANTHROPIC_MESSAGES,
@@ -51,9 +54,10 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
             else (),
         ),
         stream=f.boolean(body["stream"], "stream") if body.get("stream") is not None else False,
-        tools=tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS))),
+        tools=tools,
         tool_choice=choice,
         parallel_tool_calls=parallel,
+        constraint=constraints.one_of(body, constraints.anthropic_output_format(body.get("output_config"))),
         return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
         created=created,
         metadata=_metadata(body.get("metadata")),
@@ -153,9 +157,8 @@ def _tool_result(b: dict[str, Any], where: str) -> Message:
     else:
         items = f.array(content, f"{where}.content")
         parts = tuple(_part(f.obj(p, f"{where}.content[{k}]"), f"{where}.content[{k}]", images=True) for k, p in enumerate(items))
-    if b.get("is_error") is not None:
-        f.boolean(b["is_error"], f"{where}.is_error")
-    return Message(role=Role.TOOL, content=parts, tool_call_id=tool_use_id)
+    is_error = f.boolean(b["is_error"], f"{where}.is_error") if b.get("is_error") is not None else False
+    return Message(role=Role.TOOL, content=parts, tool_call_id=tool_use_id, is_error=is_error)
 
 
 def _part(b: dict[str, Any], where: str, *, images: bool) -> ContentPart:
@@ -194,9 +197,9 @@ def _tool(value: Any, param: str) -> ToolSpec:
             f"Invalid value: {t.get('type')!r}. Only client tools ('custom', or no type) are supported.", f"{param}.type", "invalid_value"
         )
     return ToolSpec(
-        name=f.string(f.require(t, "name", f"{param}.name"), f"{param}.name", allow_empty=False),
+        name=constraints.tool_name(f.require(t, "name", f"{param}.name"), f"{param}.name"),
         description=f.string(t.get("description") or "", f"{param}.description"),
-        parameters_json=orjson.dumps(f.obj(f.require(t, "input_schema", f"{param}.input_schema"), f"{param}.input_schema")).decode(),
+        parameters_json=constraints.tool_parameters(f.obj(f.require(t, "input_schema", f"{param}.input_schema"), f"{param}.input_schema"), f"{param}.input_schema"),
     )
 
 

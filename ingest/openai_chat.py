@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
+from ingest import constraints
 from ingest import fields as f
 from shared.errors import invalid
 from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
@@ -34,6 +33,9 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         if opts.get("include_usage") is not None:
             include_usage = f.boolean(opts["include_usage"], "stream_options.include_usage")
     tools = tuple(_tool(t, i) for i, t in enumerate(f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS)))
+    tool_choice = _tool_choice(body.get("tool_choice"))
+    param = "tool_choice.function.name" if tool_choice and tool_choice.startswith("function:") else "tool_choice"
+    constraints.check_tool_choice(tools, tool_choice, param)
     return Request(
         id=request_id,
         protocol=Protocol.OPENAI_CHAT,
@@ -43,8 +45,9 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         stream=stream,
         include_usage=include_usage,
         tools=tools,
-        tool_choice=_tool_choice(body.get("tool_choice")),
+        tool_choice=tool_choice,
         parallel_tool_calls=f.boolean(body["parallel_tool_calls"], "parallel_tool_calls") if body.get("parallel_tool_calls") is not None else True,
+        constraint=constraints.one_of(body, constraints.chat_response_format(body.get("response_format"))),
         return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
         priority=f.integer(body["priority"], "priority", lo=-(2**31), hi=2**31) if body.get("priority") is not None else 0,
         created=created,
@@ -184,9 +187,9 @@ def _tool(value: Any, i: int) -> ToolSpec:
         raise invalid(f"Invalid value: {t.get('type')!r}. Supported values are: 'function'.", f"{param}.type")
     fn = f.obj(f.require(t, "function", f"{param}.function"), f"{param}.function")
     return ToolSpec(
-        name=f.string(f.require(fn, "name", f"{param}.function.name"), f"{param}.function.name", allow_empty=False),
+        name=constraints.tool_name(f.require(fn, "name", f"{param}.function.name"), f"{param}.function.name"),
         description=f.string(fn.get("description") or "", f"{param}.function.description"),
-        parameters_json=orjson.dumps(f.obj(fn.get("parameters") or {}, f"{param}.function.parameters")).decode(),
+        parameters_json=constraints.tool_parameters(fn.get("parameters"), f"{param}.function.parameters"),
     )
 
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import orjson
-
+from ingest import constraints
 from ingest import fields as f
 from ingest.openai_chat import metadata as metadata_pairs
 from ingest.openai_chat import sampling
@@ -47,7 +46,10 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
     if body.get("max_output_tokens") is not None:
         params = replace(params, max_tokens=f.integer(body["max_output_tokens"], "max_output_tokens", lo=1, hi=f.MAX_TOKENS_CAP))
     store_flag(body)
-    _check_text(body.get("text"))
+    raw_tools = f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS)
+    tools = tuple(spec for i, t in enumerate(raw_tools) if (spec := _tool(t, f"tools[{i}]")) is not None)
+    tool_choice = _tool_choice(body.get("tool_choice"))
+    constraints.check_tool_choice(tools, tool_choice, "tool_choice.name" if tool_choice and tool_choice.startswith("function:") else "tool_choice")
     return Request(
         id=request_id,
         protocol=Protocol.OPENAI_RESPONSES,
@@ -55,11 +57,12 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         messages=tuple(messages),
         sampling=params,
         stream=stream,
-        tools=tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS))),
-        tool_choice=_tool_choice(body.get("tool_choice")),
+        tools=tools,
+        tool_choice=tool_choice,
         parallel_tool_calls=f.boolean(body["parallel_tool_calls"], "parallel_tool_calls")
         if body.get("parallel_tool_calls") is not None
         else True,
+        constraint=constraints.one_of(body, constraints.responses_text_format(body.get("text"))),
         return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
         created=created,
         metadata=metadata_pairs(body.get("metadata")),
@@ -189,14 +192,17 @@ def _reasoning(item: dict[str, Any], param: str) -> str:
     return ""
 
 
-def _tool(value: Any, param: str) -> ToolSpec:
+def _tool(value: Any, param: str) -> ToolSpec | None:
+    """A `function` tool; any other type (web_search, file_search, code_interpreter, mcp, computer_use,
+    custom, ...) is one this server cannot run: accepted and ignored (None), as agent clients send mixed arrays."""
     t = f.obj(value, param)
-    if t.get("type") != "function":
-        raise invalid(f"Invalid value: {t.get('type')!r}. Supported tool types: 'function'.", f"{param}.type", "invalid_value")
+    kind = f.string(f.require(t, "type", f"{param}.type"), f"{param}.type")
+    if kind != "function":
+        return None
     return ToolSpec(
-        name=f.string(f.require(t, "name", f"{param}.name"), f"{param}.name", allow_empty=False),
+        name=constraints.tool_name(f.require(t, "name", f"{param}.name"), f"{param}.name"),
         description=f.string(t.get("description") or "", f"{param}.description"),
-        parameters_json=orjson.dumps(f.obj(t.get("parameters") or {}, f"{param}.parameters")).decode(),
+        parameters_json=constraints.tool_parameters(t.get("parameters"), f"{param}.parameters"),
     )
 
 
@@ -213,19 +219,3 @@ def _tool_choice(value: Any) -> str | None:
             f"Invalid value: {choice.get('type')!r}. Supported tool_choice types: 'function'.", "tool_choice.type", "invalid_value"
         )
     return f"function:{f.string(f.require(choice, 'name', 'tool_choice.name'), 'tool_choice.name', allow_empty=False)}"
-
-
-def _check_text(value: Any) -> None:
-    """`text.format` is accepted (text, json_object, json_schema); no constrained decoding is applied."""
-    if value is None:
-        return
-    text = f.obj(value, "text")
-    if text.get("format") is not None:
-        fmt = f.obj(text["format"], "text.format")
-        kind = fmt.get("type")
-        if kind not in ("text", "json_object", "json_schema"):
-            raise invalid(
-                f"Invalid value: {kind!r}. Supported values are: 'text', 'json_object' and 'json_schema'.",
-                "text.format.type",
-                "invalid_value",
-            )

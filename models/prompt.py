@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from models.tools import call_text, calls_enabled, tools_prompt
 from shared.ir import Message, Request, Role, ToolSpec
 
 
@@ -39,6 +40,18 @@ class PromptRenderer:
         self.tokenizer = tokenizer
         self.info = info
         self._specials = _special_pattern(tokenizer)
+        self._grammars: Any = None  # models.grammar.Grammars, built on the first constrained request
+
+    def check_constraint(self, request: Request) -> None:
+        """Raise `ApiError` naming the parameter when the request's grammar does not compile for this tokenizer."""
+        from models.grammar import Grammars, grammar_for, grammar_param
+
+        grammar = grammar_for(request)
+        if grammar is None:
+            return
+        if self._grammars is None:
+            self._grammars = Grammars.for_model(self.tokenizer, self.info.eos_token_ids)
+        self._grammars.check(grammar, grammar_param(request))
 
     @classmethod
     def load(cls, folder: Path, *, name: str, max_model_len: int | None = None) -> PromptRenderer:
@@ -64,22 +77,24 @@ class PromptRenderer:
         return cls(tokenizer, info)
 
     def render(self, request: Request) -> list[int]:
-        return self.render_messages(request.messages, request.tools)
+        """`tool_choice: none` renders no tools (the model never calls); see `models.tools` for the format."""
+        return self.render_messages(request.messages, request.tools if calls_enabled(request) else ())
 
     def render_messages(self, messages: tuple[Message, ...], tools: tuple[ToolSpec, ...] = ()) -> list[int]:
         escape = _Escape(self._specials)
-        conversation = escape([_message_dict(m) for m in messages])
+        native = _mentions_tools(self.tokenizer)
+        conversation = escape([_message_dict(m) if native else _fallback_dict(m) for m in messages])
         kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
-        if tools:
+        if tools and native:
             kwargs["tools"] = escape(
                 [
                     {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": json.loads(t.parameters_json)}}
                     for t in tools
                 ]
             )
+        elif tools:
+            conversation = _with_tools_in_system(conversation, escape(tools_prompt(tools)))
         text = self.tokenizer.apply_chat_template(conversation, **kwargs)
-        if tools and not _mentions_tools(self.tokenizer):
-            text = _tools_preamble(kwargs["tools"]) + text
         if not escape.used:
             ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             return ids
@@ -143,9 +158,24 @@ def _mentions_tools(tokenizer: Any) -> bool:
     return "tools" in template
 
 
-def _tools_preamble(tools: list[dict[str, Any]]) -> str:
-    """For templates without tool support (SmolLM2's), describe the tools in plain text up front."""
-    return "Available tools (JSON Schema):\n" + json.dumps(tools) + "\n"
+def _with_tools_in_system(conversation: list[dict[str, Any]], prompt: str) -> list[dict[str, Any]]:
+    """For templates without tool support (SmolLM2's): the tools prompt ends the system message."""
+    if conversation and conversation[0]["role"] == "system":
+        first = conversation[0]
+        return [{**first, "content": f"{first['content']}\n\n{prompt}" if first["content"] else prompt}, *conversation[1:]]
+    return [{"role": "system", "content": prompt}, *conversation]
+
+
+def _fallback_dict(message: Message) -> dict[str, Any]:
+    """A message for a template without tool support: calls and results written in our call syntax."""
+    role = "system" if message.role is Role.DEVELOPER else message.role.value
+    text = message.text
+    if message.tool_calls:
+        calls = "\n".join(call_text(c.name, _json_or_text(c.arguments)) for c in message.tool_calls)
+        text = f"{text}\n{calls}" if text else calls
+    if message.role is Role.TOOL:
+        text = f"<tool_response>{'Error: ' if message.is_error else ''}{text}</tool_response>"
+    return {"role": role, "content": text}
 
 
 def _message_dict(message: Message) -> dict[str, Any]:

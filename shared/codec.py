@@ -26,6 +26,8 @@ from shared.deltas import (
     Usage,
 )
 from shared.ir import (
+    Constraint,
+    ConstraintKind,
     ContentPart,
     ImagePart,
     Message,
@@ -140,7 +142,14 @@ def request_from_dict(doc: dict[str, Any]) -> Request:
     kwargs["tools"] = tuple(ToolSpec(**t) for t in kwargs.get("tools", ()))
     kwargs["metadata"] = tuple((str(k), str(v)) for k, v in kwargs.get("metadata", ()))
     kwargs["prompt_token_ids"] = tuple(kwargs.get("prompt_token_ids", ()))
+    kwargs["constraint"] = _constraint_from_dict(kwargs.get("constraint"))
     return Request(**kwargs)
+
+
+def _constraint_from_dict(doc: dict[str, Any] | None) -> Constraint | None:
+    if doc is None:
+        return None
+    return Constraint(kind=ConstraintKind(doc["kind"]), text=doc.get("text", ""), choices=tuple(doc.get("choices", ())), param=doc.get("param", ""))
 
 
 def _sampling_from_dict(doc: dict[str, Any]) -> SamplingParams:
@@ -163,4 +172,5 @@ def message_from_dict(doc: dict[str, Any]) -> Message:
         tool_calls=tuple(ToolCall(**c) for c in doc.get("tool_calls", ())),
         tool_call_id=doc.get("tool_call_id"),
         reasoning=doc.get("reasoning"),
+        is_error=bool(doc.get("is_error", False)),
     )

@@ -60,6 +60,7 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     reasoning: str | None = None
+    is_error: bool = False  # a tool result that reports a failure (Anthropic `tool_result.is_error`)
 
     @property
     def text(self) -> str:
@@ -73,6 +74,27 @@ class ToolSpec:
     name: str
     description: str = ""
     parameters_json: str = "{}"
+
+
+class ConstraintKind(enum.StrEnum):
+    """What a `Constraint`'s `text` holds."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON Schema, as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object (text unused)
+    REGEX = "regex"  # a regular expression the whole output must match
+    CHOICE = "choice"  # exactly one of `choices`
+    LARK = "lark"  # a Lark grammar (llguidance's dialect)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Constraint:
+    """The output must match this (structured output). `param` names the client field it came from,
+    so an error found later (in the worker) can still name it."""
+
+    kind: ConstraintKind
+    text: str = ""
+    choices: tuple[str, ...] = ()
+    param: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,6 +173,7 @@ class Request:
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: str | None = None
     parallel_tool_calls: bool = True
+    constraint: Constraint | None = None
     return_token_ids: bool = False
     priority: int = 0
     created: float = 0.0

@@ -4,22 +4,32 @@ Owns: turning sampled token ids into `StreamDelta`s (incremental detokenization,
 back and never emitted, EOS / stop-token / max-token / deadline finishes, usage), and the figures
 the worker reports (batch sizes, token counts). Must not: touch Redis (workers.loop does) or torch
 (the injected runner does).
+
+Constrained requests (`models.grammar.grammar_for`) get an llguidance matcher on their `Sequence`:
+the runner's sampler masks their logits with it, and the engine advances it with every accepted
+token — also with the tokens an earlier attempt emitted, on resume; a preempted sequence keeps its
+matcher, so recompute needs nothing more. A grammar that does not compile, or a token it refuses
+(a dead end), ends that request alone with one `Error` delta; once the grammar is complete the
+request finishes at once (STOP), without spending a step on the EOS the mask would force.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from models.grammar import Grammars, grammar_for
 from models.prompt import ModelInfo
+from models.tools import calls_enabled
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, StreamDelta, TokenLogprob, Usage, is_terminal
 from shared.ir import Request, resolve
 from shared.settings import Settings
 from workers.blocks import BlockPool
 from workers.detok import IncrementalDetokenizer, StopMatcher
 from workers.scheduler import Sampled, Scheduler, Sequence, StepPlan
+from workers.tools import HermesParser
 
 
 class Runner(Protocol):
@@ -54,6 +64,7 @@ class _TextState:
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     max_tokens: int = 0
+    tools: HermesParser | None = None  # the tool-call parser, when the request may call tools
 
 
 @dataclass
@@ -77,6 +88,8 @@ class Engine:
         self.clock = clock
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
+        self.grammars: Grammars | None = None  # built on the first constrained request (tokenizer-bound)
+        self.tool_parser = settings.tool_parser
 
     def add(self, request: Request, *, attempt: int = 1, resume: tuple[int, ...] = ()) -> list[Emission]:
         """Queue a request. `resume` holds the tokens an earlier attempt already emitted: they are
@@ -92,16 +105,40 @@ class Engine:
         seq = Sequence(request=request, prompt=list(request.prompt_token_ids), attempt=attempt, output=list(resume))
         seq.context = seq.prompt + seq.output
         state = _TextState(IncrementalDetokenizer(self.tokenizer), StopMatcher(request.sampling.stop), max_tokens=max_tokens)
+        if calls_enabled(request) and self.tool_parser != "none":
+            state.tools = HermesParser(f"call_{request.id}")
         for token in resume:
-            state.detok.push(token)  # the text of these tokens was delivered by the earlier attempt
+            replayed = state.detok.push(token)  # the text of these tokens was delivered by the earlier attempt
+            if state.tools is not None:
+                state.tools.push(replayed)  # so the parser is where it was (its deltas were delivered too)
         seq.state = state
+        refused = self._attach_grammar(seq, resume)
+        if refused is not None:
+            return [Emission(request.id, refused)]
         self._seqs[request.id] = seq
         self.scheduler.add(seq)
         if resume and resume[-1] in self.info.eos_token_ids and not request.sampling.ignore_eos:
             return [self._finish(seq, FinishReason.STOP)]
+        if seq.grammar is not None and seq.grammar.is_stopped():
+            return [self._finish(seq, FinishReason.STOP)]
         if len(resume) >= max_tokens:
             return [self._finish(seq, FinishReason.LENGTH)]
         return []
+
+    def _attach_grammar(self, seq: Sequence, resume: tuple[int, ...]) -> Error | None:
+        """Give a constrained sequence its matcher, replayed over `resume`; an Error if that fails."""
+        grammar = grammar_for(seq.request, tools=self.tool_parser != "none")
+        if grammar is None:
+            return None
+        if self.grammars is None:
+            self.grammars = Grammars.for_model(self.tokenizer, self.info.eos_token_ids)
+        matcher = self.grammars.matcher(grammar)
+        if not matcher.is_error() and resume:
+            matcher.consume_tokens(list(resume))
+        if matcher.is_error():
+            return Error(message=f"The output constraint cannot be applied: {_first_line(matcher.get_error())}", kind=ErrorKind.INVALID_REQUEST, attempt=seq.attempt)
+        seq.grammar = matcher
+        return None
 
     def discard(self, request_id: str) -> None:
         """Forget a request without emitting anything (another worker owns it now)."""
@@ -163,21 +200,27 @@ class Engine:
         seq.output.append(token)
         if sampled.logprob is not None:
             state.pending_logprobs.append(self._logprob(sampled))
+        if seq.grammar is not None and not seq.grammar.consume_token(token):
+            return [self._fail(seq, f"The output reached a dead end of its constraint: {_first_line(seq.grammar.get_error())}")]
         params = seq.request.sampling
         out: list[Emission] = []
         may_stop = len(seq.output) > params.min_tokens
         if may_stop and ((token in self.info.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids):
             state.pending_ids.append(token)
-            self._emit_text(seq, state.stops.flush(), out)
+            self._emit_final(seq, state.stops.flush(), out)
             out.append(self._finish(seq, FinishReason.STOP))
             return out
         state.pending_ids.append(token)
         text, matched = state.stops.push(state.detok.push(token))
         self._emit_text(seq, text, out)
         if matched is not None:
+            self._emit_final(seq, "", out)
             out.append(self._finish(seq, FinishReason.STOP_SEQUENCE, matched_stop=matched))
+        elif seq.grammar is not None and seq.grammar.is_stopped():
+            self._emit_final(seq, state.stops.flush(), out)
+            out.append(self._finish(seq, FinishReason.STOP))
         elif len(seq.output) >= state.max_tokens or seq.length >= self.runner.max_len:
-            self._emit_text(seq, state.stops.flush(), out)
+            self._emit_final(seq, state.stops.flush(), out)
             out.append(self._finish(seq, FinishReason.LENGTH))
         return out
 
@@ -189,21 +232,43 @@ class Engine:
         top = tuple((text(t), t, lp) for t, lp in sampled.top)
         return TokenLogprob(token=text(sampled.token), token_id=sampled.token, logprob=sampled.logprob, top=top)
 
-    def _emit_text(self, seq: Sequence, text: str, out: list[Emission]) -> None:
+    def _emit_text(self, seq: Sequence, text: str, out: list[Emission], *, final: bool = False) -> None:
+        """Text → deltas (through the tool-call parser when calls are on); the pending token ids and
+        logprobs ride on the first delta, so every generated token is in exactly one delta."""
         state: _TextState = seq.state
-        if text:
-            content = Content(text=text, token_ids=tuple(state.pending_ids), attempt=seq.attempt, logprobs=tuple(state.pending_logprobs))
-            out.append(Emission(seq.key, content))
+        if state.tools is not None:
+            deltas = state.tools.push(text) + (state.tools.flush() if final else [])
+        else:
+            deltas = [Content(text=text)] if text else []
+        for delta in deltas:
+            extra: dict[str, Any] = {"token_ids": tuple(state.pending_ids), "attempt": seq.attempt}
+            if isinstance(delta, Content):
+                extra["logprobs"] = tuple(state.pending_logprobs)
+            out.append(Emission(seq.key, replace(delta, **extra)))
             state.pending_ids, state.pending_logprobs = [], []
+
+    def _emit_final(self, seq: Sequence, text: str, out: list[Emission]) -> None:
+        self._emit_text(seq, text, out, final=True)
+
+    def _fail(self, seq: Sequence, message: str) -> Emission:
+        """End one request with an Error (its constraint failed); the batch goes on."""
+        self._finish(seq, FinishReason.CANCELLED)
+        return Emission(seq.key, Error(message=message, kind=ErrorKind.INVALID_REQUEST, attempt=seq.attempt), batch_max=seq.batch_max)
 
     def _finish(self, seq: Sequence, reason: FinishReason, *, matched_stop: str | None = None) -> Emission:
         state: _TextState = seq.state
+        if reason in (FinishReason.STOP, FinishReason.STOP_SEQUENCE) and state.tools is not None and state.tools.calls:
+            reason, matched_stop = FinishReason.TOOL_CALLS, None
         usage = Usage(prompt_tokens=len(seq.request.prompt_token_ids), completion_tokens=len(seq.output), cached_tokens=seq.cached_tokens or 0)
         delta = Finish(reason=reason, usage=usage, matched_stop=matched_stop, token_ids=tuple(state.pending_ids), attempt=seq.attempt)
         self.runner.release(seq)
         self.scheduler.finish(seq)
         del self._seqs[seq.key]
         return Emission(seq.key, delta, batch_max=seq.batch_max)
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "unknown error"
 
 
 def _with_resolved_sampling(request: Request, info: ModelInfo) -> Request:

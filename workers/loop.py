@@ -281,6 +281,8 @@ class WorkerLoop:
             "prefill_tokens": stats.prefill_tokens,
             "decode_tokens": stats.decode_tokens,
             "step_ms": round(stats.last_step_s * 1000, 2),
+            "mask_ms_total": round(getattr(self.engine.runner, "mask_s", 0.0) * 1000, 3),  # grammar masks (constrained rows only)
+            "masked_steps": getattr(self.engine.runner, "masked_steps", 0),
             "prefill_tps": round(prefill_tps, 1),
             "decode_tps": round(decode_tps, 1),
             "kv_used_tokens": sched.pool.num_used * sched.pool.block_size,

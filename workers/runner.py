@@ -60,6 +60,8 @@ class TorchRunner:
         self.eos_ids: tuple[int, ...] = ()  # set by the engine's builder: banned while min_tokens is not reached
         self.tokenizer: Any = None  # set likewise: turns dry_sequence_breakers into token ids
         self._breakers: dict[str, frozenset[int]] = {}  # per sequence, like the generators
+        self.mask_s = 0.0  # seconds spent on grammar masks, over `masked_steps` steps (heartbeat figures)
+        self.masked_steps = 0
         how = "--kv-budget-mb" if kv_budget_mb else "default: a share of free memory"
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s)", self.num_blocks, BLOCK_SIZE, self.num_blocks * BLOCK_SIZE, self.kv_bytes / 2**20, how)
 
@@ -83,6 +85,9 @@ class TorchRunner:
             return []
         stacked = torch.cat(logits).float()  # [B, vocab]
         result = sample(stacked, [self._sampler_row(s) for s in rows])
+        if result.mask_s:
+            self.mask_s += result.mask_s
+            self.masked_steps += 1
         return [_sampled(seq, token, lp) for seq, token, lp in zip(rows, result.tokens, result.logprobs, strict=True)]
 
     def _sampler_row(self, seq: Sequence) -> SamplerRow:
@@ -98,7 +103,7 @@ class TorchRunner:
         breakers = self._breakers.get(seq.key, frozenset())
         if params.dry_multiplier > 0 and self.tokenizer is not None and seq.key not in self._breakers:
             breakers = self._breakers[seq.key] = breaker_ids(self.tokenizer, params.dry_sequence_breakers)
-        return SamplerRow(params=params, generator=gen, prompt=seq.prompt, output=seq.output, eos_ids=self.eos_ids, dry_breakers=breakers)
+        return SamplerRow(params=params, generator=gen, prompt=seq.prompt, output=seq.output, eos_ids=self.eos_ids, dry_breakers=breakers, grammar=seq.grammar)
 
     def _forward(self, seqs: list[Sequence], input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [B, T]; returns last-position logits [B, vocab]

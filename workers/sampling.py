@@ -15,6 +15,12 @@ Processing order, every stage skipped for rows that do not use it:
 5. DRY                 llama.cpp / text-generation-webui: a candidate that would extend a repeat of
                        the context's suffix seen earlier, of match length >= allowed_length, loses
                        multiplier * base^(match_length - allowed_length); matches stop at breakers.
+   grammar             rows with an llguidance matcher (structured output, forced tool calls):
+                       tokens the grammar does not allow next set to -inf. The masks of all such
+                       rows are filled in one `fill_next_token_bitmask_par` call (threads, GIL
+                       released) into a [C, vocab/32] int32 bitmask, unpacked on the logits' device;
+                       rows without a matcher do no mask work at all. EOS is in a mask only where
+                       the grammar accepts.
 6. greedy rows         (temperature 0 or top_k 1) take the argmax here: one-hot from now on.
 7. temperature, 8. top-n-sigma (keep logits >= max - n*std of the row's finite logits),
 9. top-k, 10. top-p (the smallest set whose mass reaches p), 11. min-p (prob >= min_p * max prob),
@@ -32,6 +38,7 @@ vLLM report them by default: the chosen token's, and the `top_logprobs` best (id
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -55,6 +62,7 @@ class SamplerRow:
     output: Seq[int] = ()
     eos_ids: tuple[int, ...] = ()  # the model's EOS ids, banned while min_tokens is not reached
     dry_breakers: frozenset[int] = frozenset()  # token ids a DRY match cannot cross
+    grammar: Any = None  # an llguidance LLMatcher at this row's position, or None (unconstrained)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +78,7 @@ class TokenLogprobData:
 class SampleResult:
     tokens: list[int]
     logprobs: list[TokenLogprobData | None]  # None for rows that did not ask for logprobs
+    mask_s: float = 0.0  # seconds spent filling and applying grammar masks (0 when no row has one)
 
 
 def breaker_ids(tokenizer: Any, strings: Iterable[str]) -> frozenset[int]:
@@ -81,7 +90,8 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> SampleResult:
     # logits: [B, vocab] float32 raw model logits, left unchanged
     if not rows:
         return SampleResult(tokens=[], logprobs=[])
-    processed = process_logits(logits, rows)  # [B, vocab]; greedy rows are one-hot
+    timer = _Timer()
+    processed = process_logits(logits, rows, timer=timer)  # [B, vocab]; greedy rows are one-hot
     tokens = processed.argmax(dim=-1)  # [B]; final for greedy rows, overwritten below for the others
     drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
     if drawn:
@@ -89,10 +99,14 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> SampleResult:
         probs = processed[index].softmax(dim=-1)  # [S, vocab]
         tokens[index] = _draw(probs, [rows[i].generator for i in drawn])
     token_list = tokens.tolist()
-    return SampleResult(tokens=token_list, logprobs=_logprobs(logits, rows, token_list))
+    return SampleResult(tokens=token_list, logprobs=_logprobs(logits, rows, token_list), mask_s=timer.seconds)
 
 
-def process_logits(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
+class _Timer:
+    seconds = 0.0
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplerRow], *, timer: _Timer | None = None) -> torch.Tensor:
     """[B, vocab] raw logits → [B, vocab] logits to sample from: -inf outside each row's candidates."""
     out = logits.clone()
     _add_logit_bias(out, rows)
@@ -100,6 +114,11 @@ def process_logits(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor
     _apply_repetition_penalty(out, rows)
     _apply_presence_frequency(out, rows)
     _apply_dry(out, rows)
+    if any(r.grammar is not None for r in rows):
+        started = time.perf_counter()
+        _apply_grammar(out, rows)
+        if timer is not None:
+            timer.seconds = time.perf_counter() - started
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if greedy:
         index = torch.tensor(greedy, device=out.device)
@@ -205,6 +224,35 @@ def dry_penalties(row: SamplerRow) -> dict[int, float]:
 def _apply_dry(logits: torch.Tensor, rows: list[SamplerRow]) -> None:
     entries = [(i, t, -pen) for i, r in enumerate(rows) if r.params.dry_multiplier > 0 for t, pen in dry_penalties(r).items()]
     _put(logits, entries, accumulate=True)
+
+
+# -- grammar masks (llguidance) -------------------------------------------------------------------
+
+_executor: Any = None
+
+
+def _grammar_executor() -> Any:
+    global _executor
+    if _executor is None:
+        import llguidance
+
+        _executor = llguidance.LLExecutor()
+    return _executor
+
+
+def _apply_grammar(logits: torch.Tensor, rows: list[SamplerRow]) -> None:
+    # The executor is called directly, not through `llguidance.torch` (whose import runs torch.compile).
+    used = [i for i, r in enumerate(rows) if r.grammar is not None]
+    vocab = logits.shape[-1]
+    words = (vocab + 31) // 32
+    bitmask = torch.zeros((len(used), words), dtype=torch.int32)  # [C, words] on the CPU, filled by llguidance
+    _grammar_executor().unsafe_compute_mask_ptr([(rows[i].grammar, j) for j, i in enumerate(used)], bitmask.data_ptr(), words * 4, len(used))
+    device = logits.device
+    bits = torch.arange(32, dtype=torch.int32, device=device)  # [32]
+    allowed = ((bitmask.to(device, non_blocking=True)[:, :, None] >> bits) & 1).bool()  # [C, words, 32]
+    allowed = allowed.reshape(len(used), -1)[:, :vocab]  # [C, vocab]; ids past the grammar's vocab stay banned
+    index = torch.tensor(used, device=device)
+    logits[index] = logits[index].masked_fill(~allowed, _NEG_INF)
 
 
 # -- stages 7-11: filters over the rows that draw --------------------------------------------------

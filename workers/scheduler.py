@@ -56,6 +56,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     arrival: int = field(default_factory=lambda: next(_arrivals))
     state: Any = None  # text state owned by the engine (detokenizer, stop matcher)
+    grammar: Any = None  # the engine's llguidance matcher, advanced with every output token; None = free
     batch_max: int = 0  # largest decode batch this sequence took part in
     preemptions: int = 0
 

@@ -120,7 +120,7 @@ def test_a_tool_use_round_trip_becomes_an_assistant_tool_call_and_tool_messages(
             reasoning="Need the tool.",
         ),
         Message(role=Role.TOOL, content=(TextPart(text="18C"),), tool_call_id="toolu_1"),
-        Message(role=Role.TOOL, content=(TextPart(text="a"), TextPart(text="b")), tool_call_id="toolu_2"),
+        Message(role=Role.TOOL, content=(TextPart(text="a"), TextPart(text="b")), tool_call_id="toolu_2", is_error=True),
         user("Thanks."),
     )
 
@@ -144,7 +144,7 @@ def test_tools_and_tool_choice_map_onto_the_ir() -> None:
     assert req.tools == (ToolSpec(name="get_weather", description="Weather now.", parameters_json='{"type":"object","properties":{}}'),)
     assert (req.tool_choice, req.parallel_tool_calls) == ("function:get_weather", False)
     choices = {"auto": "auto", "any": "required", "none": "none"}
-    assert {kind: parsed(body(tool_choice={"type": kind})).tool_choice for kind in choices} == choices
+    assert {kind: parsed(body(tools=tools, tool_choice={"type": kind})).tool_choice for kind in choices} == choices
 
 
 def test_thinking_is_accepted_and_ignored() -> None:

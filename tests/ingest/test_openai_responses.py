@@ -73,7 +73,13 @@ def test_sampling_stream_tools_and_extensions_are_read() -> None:
         (("team", "search"),),
         True,
     )
-    assert [parsed(body(tool_choice=c)).tool_choice for c in ("auto", "none", "required")] == ["auto", "none", "required"]
+    fn = [{"type": "function", "name": "f"}]
+    assert [parsed(body(tools=fn, tool_choice=c)).tool_choice for c in ("auto", "none", "required")] == ["auto", "none", "required"]
+
+
+def test_tools_the_server_cannot_run_are_accepted_and_ignored() -> None:
+    mixed = [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["v"]}, {"type": "function", "name": "f"}, {"type": "mcp", "server_label": "x"}]
+    assert [t.name for t in parsed(body(tools=mixed)).tools] == ["f"]
 
 
 def test_input_items_become_messages_with_merged_assistant_turns() -> None:
@@ -149,7 +155,7 @@ def test_store_and_previous_response_id_are_read_by_helpers_not_the_ir() -> None
         (body(max_output_tokens=0), "max_output_tokens"),
         (body(temperature=2.5), "temperature"),
         (body(top_p=1.5), "top_p"),
-        (body(tools=[{"type": "web_search"}]), "tools[0].type"),
+        (body(tools=[{"name": "f"}]), "tools[0].type"),
         (body(tools=[{"type": "function"}]), "tools[0].name"),
         (body(tools=[{"type": "function", "name": "f", "parameters": "{}"}]), "tools[0].parameters"),
         (body(tool_choice="any"), "tool_choice"),

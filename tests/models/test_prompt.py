@@ -94,3 +94,27 @@ def plain_text(renderer: PromptRenderer, conversation: list[dict[str, str]]) -> 
 
 def _contains(haystack: list[int], needle: list[int]) -> bool:
     return any(haystack[i : i + len(needle)] == needle for i in range(len(haystack) - len(needle) + 1))
+
+
+def test_a_template_without_tool_support_gets_the_tools_and_the_call_syntax_in_the_system_turn(renderer: PromptRenderer) -> None:
+    from dataclasses import replace
+
+    from shared.ir import Protocol, Request
+
+    tools = (ToolSpec(name="get_weather", description="Weather now.", parameters_json='{"type": "object", "properties": {"city": {"type": "string"}}}'),)
+    history = (
+        message(Role.SYSTEM, "Be brief."),
+        message(Role.USER, "Weather in Paris?"),
+        Message(role=Role.ASSISTANT, tool_calls=(ToolCall(id="c1", name="get_weather", arguments='{"city": "Paris"}'),)),
+        Message(role=Role.TOOL, content=(TextPart(text="no data"),), tool_call_id="c1", is_error=True),
+    )
+    request = Request(id="r", protocol=Protocol.OPENAI_CHAT, model="m", messages=history, tools=tools)
+    text = renderer.tokenizer.decode(renderer.render(request))
+    system = text[: text.index("<|im_end|>")]
+    assert system.startswith("<|im_start|>system\nBe brief.\n\nYou can call tools.")
+    assert '<tool_call>{"name": "<tool name>", "arguments": {<the arguments as JSON>}}</tool_call>' in system
+    assert '{"name": "get_weather", "description": "Weather now.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}' in system
+    assert '<|im_start|>assistant\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call><|im_end|>' in text
+    assert "<|im_start|>tool\n<tool_response>Error: no data</tool_response><|im_end|>" in text
+    silent = renderer.tokenizer.decode(renderer.render(replace(request, tool_choice="none")))
+    assert "You can call tools." not in silent and "get_weather" in silent  # the history stays; the offer does not

@@ -7,7 +7,7 @@ import pytest
 
 from shared.codec import CodecError, decode_delta, decode_request, encode_delta, encode_request
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, TokenLogprob, Usage
-from shared.ir import ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
+from shared.ir import Constraint, ConstraintKind, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
 
 from ..encoders.recorded import SCENARIOS
 
@@ -27,12 +27,21 @@ def test_a_full_request_round_trips() -> None:
         stream=True,
         tools=(ToolSpec(name="f", description="d", parameters_json="{}"),),
         tool_choice="required",
+        constraint=Constraint(kind=ConstraintKind.CHOICE, choices=("yes", "no"), param="choice"),
         metadata=(("user_id", "u"),),
         prompt_token_ids=(1, 2, 3),
         created=12.5,
         raw_body='{"x":1}',
     )
     assert decode_request(encode_request(request)) == request
+
+
+@pytest.mark.parametrize("kind", list(ConstraintKind))
+def test_every_constraint_kind_round_trips(kind: ConstraintKind) -> None:
+    constraint = Constraint(kind=kind, text='{"type":"object"}', param="response_format")
+    request = Request(id="c", protocol=Protocol.OPENAI_CHAT, model="m", messages=(), constraint=constraint)
+    decoded = decode_request(encode_request(request))
+    assert decoded.constraint == constraint and isinstance(decoded.constraint.kind, ConstraintKind)
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))

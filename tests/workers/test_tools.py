@@ -1,0 +1,78 @@
+"""The hermes tool-call parser: model text in any chunking → the same Content / ToolCallStart / ToolCallArgs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart
+from workers.tools import HermesParser
+
+TWO_CALLS = (
+    'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}</tool_call>\n'
+    '<tool_call>{"name":"get_time","arguments":{"tz":"CET"}}</tool_call>\n'
+)
+
+
+def feed(text: str, size: int) -> list[StreamDelta]:
+    parser = HermesParser("call_r")
+    out: list[StreamDelta] = []
+    for i in range(0, len(text), size):
+        out.extend(parser.push(text[i : i + size]))
+    return out + parser.flush()
+
+
+def summary(deltas: list[StreamDelta]) -> list[tuple[str, object]]:
+    """Merge consecutive fragments of the same kind: what a client accumulates."""
+    merged: list[tuple[str, object]] = []
+    for d in deltas:
+        if isinstance(d, ToolCallStart):
+            merged.append(("start", (d.index, d.id, d.name)))
+        elif isinstance(d, ToolCallArgs):
+            if merged and merged[-1][0] == f"args{d.index}":
+                merged[-1] = (merged[-1][0], str(merged[-1][1]) + d.arguments)
+            else:
+                merged.append((f"args{d.index}", d.arguments))
+        elif isinstance(d, Content):
+            if merged and merged[-1][0] == "text":
+                merged[-1] = ("text", str(merged[-1][1]) + d.text)
+            else:
+                merged.append(("text", d.text))
+    return merged
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_two_calls_parse_the_same_in_any_chunking(size: int) -> None:
+    assert summary(feed(TWO_CALLS, size)) == [
+        ("text", "Let me look."),
+        ("start", (0, "call_r_0", "get_weather")),
+        ("args0", '{"city": "Paris", "days": [1, 2]}'),
+        ("start", (1, "call_r_1", "get_time")),
+        ("args1", '{"tz":"CET"}'),
+    ]
+
+
+def test_the_name_streams_before_the_arguments_and_arguments_stream_in_pieces() -> None:
+    deltas = feed(TWO_CALLS, 1)
+    first_args = next(i for i, d in enumerate(deltas) if isinstance(d, ToolCallArgs))
+    assert isinstance(deltas[first_args - 1], ToolCallStart)
+    assert sum(isinstance(d, ToolCallArgs) and d.index == 0 for d in deltas) > 10  # fragments, not one blob
+    assert all(json.loads(a) for k, a in summary(deltas) if k.startswith("args"))  # type: ignore[arg-type]
+
+
+def test_text_that_only_looks_like_the_tag_is_released() -> None:
+    assert summary(feed("a <tool b <tool_cal x", 1)) == [("text", "a <tool b <tool_cal x")]
+
+
+def test_plain_text_passes_through_and_no_call_is_counted() -> None:
+    parser = HermesParser("c")
+    assert summary(parser.push("Hello") + parser.flush()) == [("text", "Hello")]
+    assert parser.calls == 0
+
+
+def test_an_unterminated_call_flushes_its_arguments() -> None:
+    parser = HermesParser("c")
+    deltas = parser.push('<tool_call>{"name": "f", "arguments": {"a": 1}') + parser.flush()
+    assert summary(deltas) == [("start", (0, "c_0", "f")), ("args0", '{"a": 1}')]
+    assert parser.calls == 1

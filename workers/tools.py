@@ -1,0 +1,107 @@
+"""The tool-call parser: the model's streamed text → Content / ToolCallStart / ToolCallArgs deltas (pure).
+
+Parses model output only (the engine feeds it generated text, never a prompt), in the hermes / Qwen
+syntax that `models.tools` prompts for and its grammars enforce:
+`<tool_call>{"name": "...", "arguments": {...}}</tool_call>`. Hand-written as a small state machine
+because the deltas must stream: `ToolCallStart` as soon as the name is complete, `ToolCallArgs` as the
+argument JSON arrives. Text that might be the start of the call tag is held back until disproved;
+the wrapper's closing `}` is held back until the closing tag shows it is not part of the arguments.
+Whitespace between and after calls is dropped. Deltas come out without token ids or attempt: the
+engine attaches those.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from models.tools import CLOSE, OPEN
+from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart
+
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class HermesParser:
+    def __init__(self, call_id_prefix: str) -> None:
+        self._prefix = call_id_prefix
+        self._buf = ""
+        self._mode = "text"  # text | head (after the tag, name not yet complete) | args
+        self._sent = 0  # argument characters already emitted for the open call
+        self.calls = 0
+
+    def push(self, text: str) -> list[StreamDelta]:
+        self._buf += text
+        out: list[StreamDelta] = []
+        while True:
+            step = {"text": self._text, "head": self._head, "args": self._args}[self._mode]
+            if not step(out):
+                return out
+
+    def flush(self) -> list[StreamDelta]:
+        """At the end of generation: held-back text, or what is left of an unterminated call's arguments."""
+        out: list[StreamDelta] = []
+        if self._mode == "text" and self._buf and not (self.calls and self._buf.isspace()):
+            out.append(Content(text=self._buf))
+        elif self._mode == "head":
+            out.append(Content(text=OPEN + self._buf))
+        elif self._mode == "args" and len(self._buf) > self._sent:
+            out.append(ToolCallArgs(index=self.calls, arguments=self._buf[self._sent :]))
+            self.calls += 1
+        self._buf = ""
+        return out
+
+    def _text(self, out: list[StreamDelta]) -> bool:
+        if self.calls:
+            self._buf = self._buf.lstrip()
+        at = self._buf.find(OPEN)
+        if at >= 0:
+            if self._buf[:at].strip() or (at and not self.calls):
+                out.append(Content(text=self._buf[:at]))
+            self._buf, self._mode = self._buf[at + len(OPEN) :], "head"
+            return True
+        keep = _partial_suffix(self._buf, OPEN)
+        if len(self._buf) > keep:
+            out.append(Content(text=self._buf[: len(self._buf) - keep]))
+            self._buf = self._buf[len(self._buf) - keep :]
+        return False
+
+    def _head(self, out: list[StreamDelta]) -> bool:
+        match = _HEAD.match(self._buf)
+        if match is not None and match.end() == len(self._buf):
+            return False  # whitespace before the arguments may still be coming
+        if match is None:
+            if CLOSE in self._buf:  # a tag without a call inside: it was text after all
+                end = self._buf.index(CLOSE) + len(CLOSE)
+                out.append(Content(text=OPEN + self._buf[:end]))
+                self._buf, self._mode = self._buf[end:], "text"
+                return True
+            return False
+        name = json.loads(f'"{match.group(1)}"')
+        out.append(ToolCallStart(index=self.calls, id=f"{self._prefix}_{self.calls}", name=name))
+        self._buf, self._mode, self._sent = self._buf[match.end() :], "args", 0
+        return True
+
+    def _args(self, out: list[StreamDelta]) -> bool:
+        at = self._buf.find(CLOSE)
+        if at >= 0:
+            region = self._buf[:at].rstrip()
+            arguments = region[:-1].rstrip() if region.endswith("}") else region
+            if len(arguments) > self._sent:
+                out.append(ToolCallArgs(index=self.calls, arguments=arguments[self._sent :]))
+            self.calls += 1
+            self._buf, self._mode = self._buf[at + len(CLOSE) :], "text"
+            return True
+        safe = self._buf[: len(self._buf) - _partial_suffix(self._buf, CLOSE)].rstrip()
+        end = len(safe) - 1 if safe.endswith("}") else len(safe)
+        if end > self._sent:
+            out.append(ToolCallArgs(index=self.calls, arguments=self._buf[self._sent : end]))
+            self._sent = end
+        return False
