@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,17 @@ def free_port() -> int:
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
-def _term_when_parent_dies() -> None:
-    """Run in the child before exec: SIGTERM it when the process that started it dies."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _parent_death_signal() -> Callable[[], None]:
+    """A function for Popen's `preexec_fn` that asks the kernel to SIGTERM the child when its parent
+    dies. `prctl` is looked up here, in the parent: between fork and exec (where other threads' locks
+    may be held) the child then only makes the one foreign call, no library loading."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    term = int(signal.SIGTERM)
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, term)
+
+    return preexec
 
 
 def detached(**popen: Any) -> dict[str, Any]:
@@ -43,7 +52,7 @@ def detached(**popen: Any) -> dict[str, Any]:
     the supervisor only, which then stops the children in order), and SIGTERM on the supervisor's death."""
     options: dict[str, Any] = {"start_new_session": True, **popen}
     if sys.platform == "linux":
-        options["preexec_fn"] = _term_when_parent_dies
+        options["preexec_fn"] = _parent_death_signal()
     return options
 
 

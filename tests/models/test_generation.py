@@ -63,3 +63,14 @@ def test_a_greedy_generation_config_sets_no_sampling_defaults(tmp_path: Path) ->
 def test_flags_come_from_the_environment_too() -> None:
     settings = Settings.from_env({"MET_DEFAULT_TOP_P": "0.5", "MET_DEFAULT_TOP_K": "7", "MET_GENERATION_CONFIG": "none"})
     assert sampling_defaults(settings, {"temperature": 0.4}) == {"top_p": 0.5, "top_k": 7}
+
+
+def test_a_missing_generation_config_file_or_an_unknown_log_format_is_refused_at_the_command_line(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    missing = CliRunner().invoke(app, ["worker", "--redis-url", "redis://127.0.0.1:1/0", "--generation-config", str(tmp_path / "nope.json")])
+    assert missing.exit_code == 2 and "--generation-config" in missing.output
+    unknown = CliRunner().invoke(app, ["worker", "--redis-url", "redis://127.0.0.1:1/0", "--log-format", "xml"])
+    assert unknown.exit_code == 2 and "--log-format" in unknown.output
