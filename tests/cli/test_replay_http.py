@@ -14,8 +14,15 @@ from shared.ir import Protocol, SamplingParams
 
 from ..encoders.recorded import SCENARIOS, request
 
-# Chat streams carry no token ids on tool-call chunks, so that scenario cannot be read back exactly there.
-CASES = [(p, s) for p in Protocol for s in sorted(SCENARIOS) if not (p is Protocol.OPENAI_CHAT and s == "two_tool_calls")]
+# Chat streams carry no token ids on tool-call chunks, so the tool scenarios cannot be read back exactly
+# there; interleaved parallel calls are put in block order by the Anthropic and Responses encoders, so
+# their text reads back in that order, not in generation order (tests/encoders cover that scenario).
+CASES = [
+    (p, s)
+    for p in Protocol
+    for s in sorted(SCENARIOS)
+    if s != "interleaved_parallel_calls" and not (p is Protocol.OPENAI_CHAT and s == "two_tool_calls")
+]
 
 
 @pytest.mark.parametrize(("protocol", "scenario"), CASES)

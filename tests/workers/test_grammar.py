@@ -73,7 +73,7 @@ def schema(value: dict[str, Any]) -> Constraint:
 
 
 def make_engine(tiny: LlamaForCausalLM, tokenizer: Any, info: ModelInfo, *, slots: int = 8) -> Engine:
-    runner = TorchRunner(tiny, max_len=256, kv_budget_mb=16, max_slots=slots, device=torch.device("cpu"), dtype=torch.float32)
+    runner = TorchRunner(tiny, max_len=256, kv_budget_mb=16, device=torch.device("cpu"), dtype=torch.float32)
     runner.eos_ids = info.eos_token_ids
     return Engine(runner, tokenizer, info, settings=Settings(max_running=slots, max_tokens_per_step=256))
 
@@ -141,7 +141,7 @@ class RefusedTokenRunner:
 
     def __init__(self, forced: int, eos: int) -> None:
         self.forced, self.eos = forced, eos
-        self.num_slots, self.max_len = 4, 256
+        self.num_blocks, self.block_size, self.max_len = 64, 16, 256
 
     def execute(self, plan: StepPlan) -> list[Sampled]:
         ready = list(plan.decode) + [c.seq for c in plan.prefill if c.completes_prompt]
@@ -195,7 +195,7 @@ class ScriptRunner:
 
     def __init__(self, tokens: list[int], eos: int) -> None:
         self.tokens, self.eos = tokens, eos
-        self.num_slots, self.max_len = 4, 256
+        self.num_blocks, self.block_size, self.max_len = 64, 16, 256
 
     def execute(self, plan: StepPlan) -> list[Sampled]:
         ready = list(plan.decode) + [c.seq for c in plan.prefill if c.completes_prompt]
