@@ -1,7 +1,7 @@
 """`met top`: a live dashboard of a Metrale deployment (Textual), read from Redis only.
 
 Shows each worker (dead ones marked), the queue, decode throughput over the last minutes, the active
-requests, recent errors and dead letters; refreshes about once a second. Keys: arrows + enter open a
+requests, batch jobs in progress, recent errors and dead letters; refreshes about once a second. Keys: arrows + enter open a
 request (its prompt head, streamed text and timings), c cancels the selected request, p pauses the
 refresh, q (or Ctrl-C) quits. `met serve` on a terminal runs this as its screen (see cli/serve.py).
 
@@ -70,6 +70,12 @@ def queue_line(snap: Snapshot) -> Text:
 
 def problems_text(snap: Snapshot) -> Text:
     text = Text()
+    if snap.batches:
+        text.append(f"batches in progress ({len(snap.batches)})", style="bold")
+        for b in snap.batches:
+            done = b.succeeded + b.failed
+            text.append(f"\n  {b.id}  {b.protocol}  {b.status}  {done}/{b.total} done · {b.succeeded} ok · {b.failed} failed")
+        text.append("\n")
     text.append(f"recent errors ({len(snap.errors)})", style="bold")
     for p in snap.errors:
         text.append(f"\n  {fmt_age(p.age)} ago  {p.request_id}  {p.detail}", style="red")

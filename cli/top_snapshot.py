@@ -23,6 +23,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from cli.top_batches import BatchView, take_batches
 from ingest.publish import cancel as set_cancel_flag
 from shared import keys
 from shared.codec import CodecError, decode_delta, decode_request
@@ -98,6 +99,7 @@ class Snapshot:
     errors: tuple[Problem, ...]
     dead_letters: tuple[Problem, ...]
     dead_letter_total: int
+    batches: tuple[BatchView, ...] = ()  # batch jobs not yet ended (cli/top_batches.py)
 
     @property
     def decode_tps(self) -> float:
@@ -225,6 +227,7 @@ async def take_snapshot(redis: Redis, *, heartbeat_ttl: float) -> Snapshot:
         errors=tuple(_errors(finished or [], now)),
         dead_letters=tuple(_dead_letters(dead or [], now)),
         dead_letter_total=int(dead_total or 0),
+        batches=await take_batches(redis),
     )
 
 

@@ -183,3 +183,20 @@ def test_the_throughput_history_keeps_only_its_window() -> None:
     for t in range(30):
         history.add(float(t), float(t))
     assert history.values() == [float(t) for t in range(19, 30)]
+
+
+async def test_batches_in_progress_are_in_the_snapshot_with_their_progress_and_shown_by_top(redis: Redis) -> None:
+    from cli.top import problems_text
+    from ingest import batch_jobs
+
+    settings = Settings()
+    lines = [{"custom_id": f"c{i}", "body": {}} for i in range(5)]
+    doc = await batch_jobs.create(redis, settings, record={"protocol": "openai", "owner": "o", "endpoint": "/v1/chat/completions"}, lines=lines)
+    await batch_jobs.record_result(redis, doc["id"], "c0", outcome="succeeded", result={})
+    await batch_jobs.record_result(redis, doc["id"], "c1", outcome="errored", result={})
+    await batch_jobs.record_result(redis, doc["id"], "c1", outcome="succeeded", result={})  # a second write counts nothing
+    snap = await take_snapshot(redis, heartbeat_ttl=TTL)
+    assert [(b.id, b.protocol, b.status, b.total, b.succeeded, b.failed) for b in snap.batches] == [(doc["id"], "openai", "validating", 5, 1, 1)]
+    assert f"{doc['id']}  openai  validating  2/5 done" in problems_text(snap).plain
+    await redis.srem(keys.BATCHES_ACTIVE, doc["id"])  # ended
+    assert (await take_snapshot(redis, heartbeat_ttl=TTL)).batches == ()
