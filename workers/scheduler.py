@@ -3,6 +3,8 @@
 Policy (continuous batching):
 - Every running sequence whose prompt is in the KV cache decodes one token per step; a finished or
   cancelled one leaves at once and frees its blocks, so no request waits for another's last token.
+  Except: a step that prefills a prompt leaves out the decodes of strictly lower priority (batch
+  lines, `--batch-priority`), so an interactive first token never waits behind their forward.
 - The rest of the per-step token budget (`max_tokens_per_step`) goes to prompt chunks: first for
   running sequences still prefilling (in admission order), then to waiting requests admitted while
   blocks are free and fewer than `max_running` run, ordered by (priority, arrival) — lower priority runs sooner, as in vLLM.
@@ -161,7 +163,7 @@ class Scheduler:
                 budget -= self._chunk(self.running[-1], budget, chunks)
             if decode or chunks or not self.running:
                 self.running_peak = max(self.running_peak, len(self.running))
-                return StepPlan(decode=tuple(decode), prefill=tuple(chunks))
+                return StepPlan(decode=tuple(_yielding(decode, chunks)), prefill=tuple(chunks))
             # Every running sequence is mid-prefill and the pool is full: the worst one gives way.
             self._preempt(max(self.running, key=lambda s: s.order))
 
@@ -275,3 +277,13 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
+
+
+def _yielding(decode: list[Sequence], chunks: list[PrefillChunk]) -> list[Sequence]:
+    """A step that prefills a prompt leaves out the decodes of strictly lower priority (a larger value):
+    batch lines pause for that step, so an interactive request's first token is not held back behind
+    their decode forward. Their next positions' blocks stay reserved; they decode in the next step."""
+    if not chunks:
+        return decode
+    best = min(c.seq.request.priority for c in chunks)
+    return [s for s in decode if s.request.priority <= best]

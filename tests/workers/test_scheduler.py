@@ -263,3 +263,22 @@ def test_a_prompt_larger_than_the_whole_pool_ends_with_one_error_and_queues_noth
     eng.add(distinct("fits", list(range(1, 21)), ignore_eos=True))  # 20 of 32 tokens: at most 12 more
     out = run_until_idle(eng)
     assert finishes(out)["fits"].reason is FinishReason.LENGTH and finishes(out)["fits"].usage.completion_tokens == 12
+
+
+def test_a_step_that_prefills_a_higher_priority_prompt_pauses_lower_priority_decodes_only() -> None:
+    runner = ScriptedRunner(lambda seq: "y" * 30)
+    eng = engine(runner, max_running=8)
+    out: list[Emission] = []
+    for rid, priority in (("batch-1", 10), ("batch-2", 10), ("chat-0", 0)):
+        out += eng.add(make_request(rid, priority=priority))
+    for _ in range(4):
+        out += eng.step()
+    out += eng.add(make_request("chat-new", prompt_len=8, priority=0))
+    out += eng.step()
+    admitting = runner.plans[-1]
+    assert [c.seq.key for c in admitting.prefill] == ["chat-new"]
+    assert {s.key for s in admitting.decode} == {"chat-0"}  # batch lines sit this step out
+    out += eng.step()
+    assert {s.key for s in runner.plans[-1].decode} == {"batch-1", "batch-2", "chat-0", "chat-new"}
+    out += run_until_idle(eng)
+    assert all(text_of(out, rid) == "y" * 30 for rid in ("batch-1", "batch-2", "chat-0", "chat-new"))  # only delayed
