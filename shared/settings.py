@@ -59,7 +59,7 @@ class Settings:
     response_ttl: int = 30 * 86400  # seconds a stored Responses-API response is kept (store=true)
     max_file_mb: int = 200  # largest file POST /v1/files accepts
     batch_max_lines: int = 50_000  # most requests one batch may hold
-    batch_max_inflight: int = 16  # lines of one batch queued or running at once (interactive traffic keeps its latency)
+    batch_max_inflight: int = 8  # lines of one batch queued or running at once (8: interactive TTFT p50 within 1.5x of idle, bench/batch_latency.py)
     batch_priority: int = 10  # scheduler priority of batch lines (interactive requests default to 0: lower runs sooner)
     batch_retention: int = 29 * 86400  # seconds files, batches and their results are kept (Anthropic keeps results 29 days)
     log_format: str = "plain"  # plain (human lines) or json (one JSON object a line, for log shippers)
