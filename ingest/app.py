@@ -370,9 +370,9 @@ def _protocol_of_path(http: HttpRequest) -> Protocol:
     return next((s.protocol for s in SURFACES if path.startswith(s.path)), Protocol.OPENAI_CHAT)
 
 
-def _add_batch_routes(app: Application, api: Api) -> None:
+def _add_batch_routes(app: Application, api: Api, lines: BatchLines) -> None:
     """Files, Batches and Message Batches (ingest/batch_routes.py); the dispatcher runs beside the app."""
-    routes = BatchRoutes(api, BatchLines(api, {s.protocol: s for s in SURFACES}), caller=lambda http: str(_scope(http).get(CALLER, ANONYMOUS)))
+    routes = BatchRoutes(api, lines, caller=lambda http: str(_scope(http).get(CALLER, ANONYMOUS)))
     openai, anthropic = Protocol.OPENAI_CHAT, Protocol.ANTHROPIC_MESSAGES
     table: list[tuple[str, str, Protocol, Handler]] = [
         ("POST", "/v1/files", openai, routes.upload_file),
@@ -408,7 +408,8 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     app.router.add_get("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, api.get_response))
     app.router.add_delete("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, api.delete_response))
 
-    _add_batch_routes(app, api)
+    lines = BatchLines(api, {s.protocol: s for s in SURFACES})
+    _add_batch_routes(app, api, lines)
 
     async def not_found(http: HttpRequest) -> Response:
         raise ApiError(f"Unknown route: {http.method} {http.url.path.decode(errors='replace')}", status=404, kind="not_found", code="unknown_route")
@@ -416,7 +417,7 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     app.router.fallback = guarded(api, None, not_found)
 
     stop_dispatch = asyncio.Event()
-    dispatcher = BatchDispatcher(api.redis, settings, BatchLines(api, {s.protocol: s for s in SURFACES}), node_id=f"{socket.gethostname()}-{os.getpid()}-{new_id()[:6]}")
+    dispatcher = BatchDispatcher(api.redis, settings, lines, node_id=f"{socket.gethostname()}-{os.getpid()}-{new_id()[:6]}")
     tasks: list[asyncio.Task[None]] = []
 
     async def start(_: Application) -> None:

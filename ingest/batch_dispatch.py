@@ -163,17 +163,13 @@ class BatchDispatcher:
             deltas = [decode_delta(f[b"d"]) for _id, f in entries if b"d" in f]
             cid = job.inflight.pop(rid)
             line = job.lines[cid]
-            request = job.requests.pop(rid, None) or self._rebuild(doc, line, rid)
+            request = job.requests.pop(rid, None) or self.runner.request(doc, line, rid)  # queued by an earlier dispatcher: the same parse
             outcome, result = self.runner.result(doc, line, request, deltas)
             if outcome == "canceled" and stopping == "expired":
                 outcome, result = "expired", self.runner.unrun(doc, line, rid, "expired")
             finish = next((d for d in deltas if isinstance(d, Finish)), None)
             tokens = (finish.usage.prompt_tokens, finish.usage.completion_tokens) if finish is not None else (len(request.prompt_token_ids), 0)
             await batch_jobs.record_result(self.redis, doc["id"], cid, outcome=outcome, result=result, tokens=tokens)
-
-    def _rebuild(self, doc: dict[str, Any], line: dict[str, Any], rid: str) -> Request:
-        """The IR of a line queued by an earlier dispatcher (the result body needs it): the same parse."""
-        return self.runner.request(doc, line, rid)
 
     async def _queue_more(self, doc: dict[str, Any], job: _Job) -> None:
         while job.todo and len(job.inflight) < self.settings.batch_max_inflight:

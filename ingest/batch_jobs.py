@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 from redis.asyncio import Redis
 
+from ingest.files import newest_after
 from shared import keys
 from shared.errors import ApiError, invalid
 from shared.settings import Settings
@@ -209,9 +210,7 @@ async def results(redis: Redis, batch_id: str) -> dict[str, dict[str, Any]]:
 
 
 async def listing(redis: Redis, *, owner: str, protocol: str, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:
-    ids = [i.decode() for i in await _zrevrange(redis, keys.batches_of(owner))]
-    if after is not None:
-        ids = ids[ids.index(after) + 1 :] if after in ids else []
+    ids = await newest_after(redis, keys.batches_of(owner), after)
     docs = []
     for bid in ids:
         try:
@@ -293,10 +292,6 @@ def anthropic_line(custom_id: str, outcome: str, payload: dict[str, Any] | None 
         result["error"] = payload
     return {"custom_id": custom_id, "result": result}
 
-
-async def _zrevrange(redis: Redis, key: str) -> list[bytes]:
-    ids: Any = await redis.zrevrange(key, 0, -1)
-    return list(ids)
 
 
 async def custom_ids(redis: Redis, batch_id: str) -> list[str]:

@@ -81,9 +81,7 @@ async def delete(redis: Redis, file_id: str, *, owner: str) -> dict[str, Any]:
 
 async def listing(redis: Redis, *, owner: str, purpose: str | None, limit: int, after: str | None) -> dict[str, Any]:
     """Newest first, OpenAI's cursor pagination (`after` = the last id of the previous page)."""
-    ids = [i.decode() for i in await _zrevrange(redis, keys.files_of(owner))]
-    if after is not None:
-        ids = ids[ids.index(after) + 1 :] if after in ids else []
+    ids = await newest_after(redis, keys.files_of(owner), after)
     docs = []
     for file_id in ids:
         try:
@@ -123,6 +121,10 @@ async def read_upload(http: HttpRequest, settings: Settings) -> tuple[str, str, 
     return filename, purpose, bytes(file_part.data)
 
 
-async def _zrevrange(redis: Redis, key: str) -> list[bytes]:
-    ids: Any = await redis.zrevrange(key, 0, -1)
-    return list(ids)
+async def newest_after(redis: Redis, index: str, after: str | None) -> list[str]:
+    """The ids of a by-creation sorted set, newest first, after the cursor `after` (OpenAI's pagination)."""
+    raw: Any = await redis.zrevrange(index, 0, -1)
+    ids = [i.decode() for i in raw]
+    if after is None:
+        return ids
+    return ids[ids.index(after) + 1 :] if after in ids else []
