@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from models.reasoning import takes_enable_thinking
 from models.tools import call_text, calls_enabled, tools_prompt
 from shared.ir import Message, Request, Role, ToolSpec
 
@@ -78,13 +79,16 @@ class PromptRenderer:
 
     def render(self, request: Request) -> list[int]:
         """`tool_choice: none` renders no tools (the model never calls); see `models.tools` for the format."""
-        return self.render_messages(request.messages, request.tools if calls_enabled(request) else ())
+        return self.render_messages(request.messages, request.tools if calls_enabled(request) else (), thinking=request.thinking.enabled)
 
-    def render_messages(self, messages: tuple[Message, ...], tools: tuple[ToolSpec, ...] = ()) -> list[int]:
+    def render_messages(self, messages: tuple[Message, ...], tools: tuple[ToolSpec, ...] = (), *, thinking: bool | None = None) -> list[int]:
+        """`thinking` (None: the template's default) reaches templates that take `enable_thinking`."""
         escape = _Escape(self._specials)
         native = _mentions_tools(self.tokenizer)
         conversation = escape([_message_dict(m) if native else _fallback_dict(m) for m in messages])
         kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
+        if thinking is not None and takes_enable_thinking(self.tokenizer):
+            kwargs["enable_thinking"] = thinking
         if tools and native:
             kwargs["tools"] = escape(
                 [
@@ -175,7 +179,14 @@ def _fallback_dict(message: Message) -> dict[str, Any]:
         text = f"{text}\n{calls}" if text else calls
     if message.role is Role.TOOL:
         text = f"<tool_response>{'Error: ' if message.is_error else ''}{text}</tool_response>"
-    return {"role": role, "content": text}
+    return _with_reasoning({"role": role, "content": text}, message)
+
+
+def _with_reasoning(out: dict[str, Any], message: Message) -> dict[str, Any]:
+    """An assistant turn's reasoning as `reasoning_content` (Qwen3's name); templates without it ignore it."""
+    if message.reasoning:
+        out["reasoning_content"] = message.reasoning
+    return out
 
 
 def _message_dict(message: Message) -> dict[str, Any]:
@@ -191,7 +202,7 @@ def _message_dict(message: Message) -> dict[str, Any]:
             out["content"] = "\n".join(json.dumps({"name": c.name, "arguments": _json_or_text(c.arguments)}) for c in message.tool_calls)
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
-    return out
+    return _with_reasoning(out, message)
 
 
 def _json_or_text(arguments: str) -> Any:

@@ -36,6 +36,7 @@ from shared.ir import (
     Role,
     SamplingParams,
     TextPart,
+    Thinking,
     ToolCall,
     ToolSpec,
 )
@@ -143,6 +144,7 @@ def request_from_dict(doc: dict[str, Any]) -> Request:
     kwargs["metadata"] = tuple((str(k), str(v)) for k, v in kwargs.get("metadata", ()))
     kwargs["prompt_token_ids"] = tuple(kwargs.get("prompt_token_ids", ()))
     kwargs["constraint"] = _constraint_from_dict(kwargs.get("constraint"))
+    kwargs["thinking"] = Thinking(**{f.name: v for f in fields(Thinking) if (v := kwargs.get("thinking", {}).get(f.name)) is not None})
     return Request(**kwargs)
 
 
@@ -172,5 +174,6 @@ def message_from_dict(doc: dict[str, Any]) -> Message:
         tool_calls=tuple(ToolCall(**c) for c in doc.get("tool_calls", ())),
         tool_call_id=doc.get("tool_call_id"),
         reasoning=doc.get("reasoning"),
+        sealed_reasoning=tuple((str(t), str(b)) for t, b in doc.get("sealed_reasoning", ())),
         is_error=bool(doc.get("is_error", False)),
     )

@@ -145,7 +145,12 @@ class Content:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Reasoning:
+    """Reasoning text. The span's last delta (text "") carries `sealed`: the whole span's text sealed
+    with the deployment's key (`shared.seal`), sent as Anthropic's `signature` and Responses'
+    `encrypted_content`, and opened again when a client sends it back."""
+
     text: str
+    sealed: str = ""
     token_ids: tuple[int, ...] = ()
     attempt: int = 1
 

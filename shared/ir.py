@@ -60,6 +60,9 @@ class Message:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     reasoning: str | None = None
+    # Reasoning the client sent back sealed, as (text it showed, sealed blob) pairs: opened by the API
+    # node (`shared.seal.open_reasoning`) into `reasoning`, or dropped when a blob does not open.
+    sealed_reasoning: tuple[tuple[str, str], ...] = ()
     is_error: bool = False  # a tool result that reports a failure (Anthropic `tool_result.is_error`)
 
     @property
@@ -155,6 +158,26 @@ def resolve(params: SamplingParams, model_defaults: dict[str, float | int]) -> S
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Thinking:
+    """What the client asked of the model's reasoning channel; every protocol's fields map onto this.
+
+    `enabled`: None leaves it to the model (a reasoning model reasons), False turns reasoning off (the
+    template's `enable_thinking=False` where it has one, and a budget of 0). `budget_tokens` is an
+    explicit budget (Anthropic `thinking.budget_tokens`); `effort` a level (`none` … `max`) that
+    `models.reasoning.budget_for` maps to tokens when no explicit budget is given. The rest is how the
+    reasoning goes out: Responses `reasoning.summary` (as summary text) and
+    `include: ["reasoning.encrypted_content"]`; Anthropic `thinking.display: "omitted"`.
+    """
+
+    enabled: bool | None = None
+    budget_tokens: int | None = None
+    effort: str | None = None
+    summary: str | None = None
+    encrypted: bool = False
+    omitted: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
     """One accepted request, as every role sees it.
 
@@ -174,6 +197,7 @@ class Request:
     tool_choice: str | None = None
     parallel_tool_calls: bool = True
     constraint: Constraint | None = None
+    thinking: Thinking = field(default_factory=Thinking)
     return_token_ids: bool = False
     priority: int = 0
     created: float = 0.0

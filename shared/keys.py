@@ -35,6 +35,11 @@ DEAD_LETTER = f"{PREFIX}:deadletter"
 # the TUI, /metrics. Entries older than the heartbeat TTL are dead.
 WORKERS_ALIVE = f"{PREFIX}:workers:alive"
 
+# The deployment's reasoning-seal key (32 raw bytes, shared.seal). Writer: the first API node or worker
+# to start (SET NX, never overwritten). Readers: every API node (opens sealed reasoning clients send
+# back) and every worker (seals each reasoning span). Never expires.
+SEAL_KEY = f"{PREFIX}:seal-key"
+
 
 def worker_info(worker_id: str) -> str:
     """Hash of one worker's figures (model, pid, started, active, batch peak...).

@@ -22,12 +22,15 @@ from typing import Any, Protocol
 
 from models.grammar import Grammars, grammar_for
 from models.prompt import ModelInfo
+from models.reasoning import budget_for, think_format
 from models.tools import calls_enabled
-from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, StreamDelta, TokenLogprob, Usage, is_terminal
+from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, Reasoning, StreamDelta, TokenLogprob, Usage, is_terminal
 from shared.ir import Request, resolve
+from shared.seal import Sealer
 from shared.settings import Settings
 from workers.blocks import BlockPool
 from workers.detok import IncrementalDetokenizer, StopMatcher
+from workers.reasoning import Channel, ReasoningSpan
 from workers.scheduler import Sampled, Scheduler, Sequence, StepPlan
 from workers.tools import HermesParser
 
@@ -65,6 +68,12 @@ class _TextState:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     max_tokens: int = 0
     tools: HermesParser | None = None  # the tool-call parser, when the request may call tools
+    span: ReasoningSpan | None = None  # the reasoning span, when the model reasons
+    reasoning_detok: IncrementalDetokenizer | None = None
+    reasoning_text: list[str] = field(default_factory=list)
+    deferred_grammar: Any = None  # the answer's matcher, attached once the reasoning span closes
+    sealed: bool = False  # the span's sealed delta was written
+    answer_begun: bool = False  # after a span: the answer's leading blank lines are dropped until text comes
 
 
 @dataclass
@@ -90,6 +99,9 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self.grammars: Grammars | None = None  # built on the first constrained request (tokenizer-bound)
         self.tool_parser = settings.tool_parser
+        self.think = think_format(tokenizer, settings.reasoning_parser)
+        self.max_thinking_tokens = settings.max_thinking_tokens
+        self.sealer: Sealer | None = None  # set by the worker from the deployment's key (shared.seal)
 
     def add(self, request: Request, *, attempt: int = 1, resume: tuple[int, ...] = ()) -> list[Emission]:
         """Queue a request. `resume` holds the tokens an earlier attempt already emitted: they are
@@ -107,12 +119,26 @@ class Engine:
         state = _TextState(IncrementalDetokenizer(self.tokenizer), StopMatcher(request.sampling.stop), max_tokens=max_tokens)
         if calls_enabled(request) and self.tool_parser != "none":
             state.tools = HermesParser(f"call_{request.id}")
-        for token in resume:
-            replayed = state.detok.push(token)  # the text of these tokens was delivered by the earlier attempt
-            if state.tools is not None:
-                state.tools.push(replayed)  # so the parser is where it was (its deltas were delivered too)
+        grammar = grammar_for(request, tools=self.tool_parser != "none")
+        if self.think is not None:
+            budget = budget_for(request.thinking, self.max_thinking_tokens)
+            state.span = ReasoningSpan(self.think, prompt=request.prompt_token_ids, budget=budget, force_open=grammar is not None and budget != 0)
+            state.reasoning_detok = IncrementalDetokenizer(self.tokenizer)
+        answer: list[int] = []
+        for token in resume:  # the text of these tokens was delivered by the earlier attempt
+            channel = state.span.route(token) if state.span is not None else Channel.ANSWER
+            if channel is Channel.REASONING:
+                assert state.reasoning_detok is not None
+                state.reasoning_text.append(state.reasoning_detok.push(token))
+            elif channel is Channel.ANSWER:
+                answer.append(token)
+                replayed = state.detok.push(token)
+                state.answer_begun = state.answer_begun or bool(replayed.strip())
+                if state.tools is not None:
+                    state.tools.push(replayed)  # so the parser is where it was (its deltas were delivered too)
+        state.sealed = state.span is not None and state.span.closed_span
         seq.state = state
-        refused = self._attach_grammar(seq, resume)
+        refused = self._attach_grammar(seq, grammar, answer)
         if refused is not None:
             return [Emission(request.id, refused)]
         self._seqs[request.id] = seq
@@ -125,19 +151,24 @@ class Engine:
             return [self._finish(seq, FinishReason.LENGTH)]
         return []
 
-    def _attach_grammar(self, seq: Sequence, resume: tuple[int, ...]) -> Error | None:
-        """Give a constrained sequence its matcher, replayed over `resume`; an Error if that fails."""
-        grammar = grammar_for(seq.request, tools=self.tool_parser != "none")
+    def _attach_grammar(self, seq: Sequence, grammar: str | None, answer: list[int]) -> Error | None:
+        """Give a constrained sequence its matcher, replayed over the answer tokens an earlier attempt
+        emitted; an Error if that fails. The grammar constrains the answer only: while a reasoning span
+        runs it waits in the text state."""
         if grammar is None:
             return None
         if self.grammars is None:
             self.grammars = Grammars.for_model(self.tokenizer, self.info.eos_token_ids)
         matcher = self.grammars.matcher(grammar)
-        if not matcher.is_error() and resume:
-            matcher.consume_tokens(list(resume))
+        if not matcher.is_error() and answer:
+            matcher.consume_tokens(answer)
         if matcher.is_error():
             return Error(message=f"The output constraint cannot be applied: {_first_line(matcher.get_error())}", kind=ErrorKind.INVALID_REQUEST, attempt=seq.attempt)
-        seq.grammar = matcher
+        state: _TextState = seq.state
+        if state.span is not None and not state.span.in_answer:
+            state.deferred_grammar = matcher
+        else:
+            seq.grammar = matcher
         return None
 
     def discard(self, request_id: str) -> None:
@@ -197,10 +228,14 @@ class Engine:
     def _append(self, sampled: Sampled) -> list[Emission]:
         seq, token = sampled.seq, sampled.token
         state: _TextState = seq.state
+        span = state.span
+        forced = span.take_forced() if span is not None else None
+        token = forced if forced is not None else token  # a reasoning budget's forced close replaces the sample
         seq.output.append(token)
-        if sampled.logprob is not None:
+        if sampled.logprob is not None and forced is None:
             state.pending_logprobs.append(self._logprob(sampled))
-        if seq.grammar is not None and not seq.grammar.consume_token(token):
+        channel = span.route(token) if span is not None else Channel.ANSWER
+        if channel is Channel.ANSWER and seq.grammar is not None and not seq.grammar.consume_token(token):
             return [self._fail(seq, f"The output reached a dead end of its constraint: {_first_line(seq.grammar.get_error())}")]
         params = seq.request.sampling
         out: list[Emission] = []
@@ -211,8 +246,12 @@ class Engine:
             out.append(self._finish(seq, FinishReason.STOP))
             return out
         state.pending_ids.append(token)
-        text, matched = state.stops.push(state.detok.push(token))
-        self._emit_text(seq, text, out)
+        if channel is Channel.ANSWER:
+            text, matched = state.stops.push(state.detok.push(token))
+            self._emit_text(seq, text, out)
+        else:
+            matched = None
+            self._emit_reasoning(seq, token if channel is Channel.REASONING else None, out)
         if matched is not None:
             self._emit_final(seq, "", out)
             out.append(self._finish(seq, FinishReason.STOP_SEQUENCE, matched_stop=matched))
@@ -232,14 +271,44 @@ class Engine:
         top = tuple((text(t), t, lp) for t, lp in sampled.top)
         return TokenLogprob(token=text(sampled.token), token_id=sampled.token, logprob=sampled.logprob, top=top)
 
+    def _emit_reasoning(self, seq: Sequence, token: int | None, out: list[Emission]) -> None:
+        """A reasoning token's text → a Reasoning delta; a marker closing the span → the sealed delta,
+        and the answer's grammar (if any) takes over."""
+        state: _TextState = seq.state
+        assert state.span is not None and state.reasoning_detok is not None
+        if token is not None:
+            text = state.reasoning_detok.push(token)
+            if text:
+                state.reasoning_text.append(text)
+                self._push(seq, [Reasoning(text=text)], out)
+        elif state.span.state == "answer":
+            self._seal(seq, out)
+        if state.deferred_grammar is not None and state.span.in_answer:
+            seq.grammar, state.deferred_grammar = state.deferred_grammar, None
+
+    def _seal(self, seq: Sequence, out: list[Emission]) -> None:
+        """Once per span: its whole text sealed with the deployment's key (shared.seal), on an empty Reasoning delta."""
+        state: _TextState = seq.state
+        if state.sealed or state.span is None or self.sealer is None or not (state.span.tokens or state.span.closed_span):
+            return
+        state.sealed = True
+        self._push(seq, [Reasoning(text="", sealed=self.sealer.seal("".join(state.reasoning_text)))], out)
+
     def _emit_text(self, seq: Sequence, text: str, out: list[Emission], *, final: bool = False) -> None:
         """Text → deltas (through the tool-call parser when calls are on); the pending token ids and
         logprobs ride on the first delta, so every generated token is in exactly one delta."""
         state: _TextState = seq.state
+        if state.span is not None and state.span.closed_span and not state.answer_begun:
+            text = text.lstrip()  # the blank line after `</think>`
+            state.answer_begun = bool(text)
         if state.tools is not None:
             deltas = state.tools.push(text) + (state.tools.flush() if final else [])
         else:
             deltas = [Content(text=text)] if text else []
+        self._push(seq, deltas, out)
+
+    def _push(self, seq: Sequence, deltas: list[StreamDelta], out: list[Emission]) -> None:
+        state: _TextState = seq.state
         for delta in deltas:
             extra: dict[str, Any] = {"token_ids": tuple(state.pending_ids), "attempt": seq.attempt}
             if isinstance(delta, Content):
@@ -248,6 +317,7 @@ class Engine:
             state.pending_ids, state.pending_logprobs = [], []
 
     def _emit_final(self, seq: Sequence, text: str, out: list[Emission]) -> None:
+        self._seal(seq, out)  # a span the finish cut short is sealed as far as it got
         self._emit_text(seq, text, out, final=True)
 
     def _fail(self, seq: Sequence, message: str) -> Emission:
@@ -259,7 +329,12 @@ class Engine:
         state: _TextState = seq.state
         if reason in (FinishReason.STOP, FinishReason.STOP_SEQUENCE) and state.tools is not None and state.tools.calls:
             reason, matched_stop = FinishReason.TOOL_CALLS, None
-        usage = Usage(prompt_tokens=len(seq.request.prompt_token_ids), completion_tokens=len(seq.output), cached_tokens=seq.cached_tokens or 0)
+        usage = Usage(
+            prompt_tokens=len(seq.request.prompt_token_ids),
+            completion_tokens=len(seq.output),
+            cached_tokens=seq.cached_tokens or 0,
+            reasoning_tokens=state.span.tokens if state.span is not None else 0,
+        )
         delta = Finish(reason=reason, usage=usage, matched_stop=matched_stop, token_ids=tuple(state.pending_ids), attempt=seq.attempt)
         self.runner.release(seq)
         self.scheduler.finish(seq)

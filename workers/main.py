@@ -15,6 +15,8 @@ from redis.asyncio import Redis
 from models.files import local_folder
 from models.generation import sampling_defaults
 from models.prompt import PromptRenderer
+from shared import keys
+from shared.seal import load_sealer
 from shared.settings import Settings
 from workers.engine import Engine
 from workers.loop import WorkerLoop
@@ -62,6 +64,7 @@ async def run_worker(settings: Settings) -> None:
     assert settings.redis_url, "a worker needs --redis-url"
     engine, info = await asyncio.to_thread(build_engine, settings)
     redis = Redis.from_url(settings.redis_url)
+    engine.sealer = await load_sealer(redis, keys.SEAL_KEY)
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
     loop = WorkerLoop(redis, engine, settings=settings, worker_id=worker_id, info=info)
     stop = asyncio.Event()
