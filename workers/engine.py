@@ -121,8 +121,8 @@ class Engine:
             state.tools = HermesParser(f"call_{request.id}")
         grammar = grammar_for(request, tools=self.tool_parser != "none")
         if self.think is not None:
-            budget = budget_for(request.thinking, self.max_thinking_tokens)
-            state.span = ReasoningSpan(self.think, prompt=request.prompt_token_ids, budget=budget, force_open=grammar is not None and budget != 0)
+            thinking_budget = budget_for(request.thinking, self.max_thinking_tokens)
+            state.span = ReasoningSpan(self.think, prompt=request.prompt_token_ids, budget=thinking_budget, force_open=grammar is not None and thinking_budget != 0)
             state.reasoning_detok = IncrementalDetokenizer(self.tokenizer)
         answer: list[int] = []
         for token in resume:  # the text of these tokens was delivered by the earlier attempt
