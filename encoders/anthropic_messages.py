@@ -4,7 +4,8 @@ Pure: input is the request IR and its deltas, nothing else. One state machine (`
 deltas into event payloads and keeps the content blocks, so the stream and the non-streaming body agree
 by construction. `message_start` comes first and once; blocks are indexed 0, 1, 2…, each
 `content_block_start` → deltas → `content_block_stop`, one open at a time (Content and Refusal → text,
-Reasoning → thinking with a `signature_delta` before its stop, a tool call → tool_use with
+Reasoning → thinking with a `signature_delta` before its stop (the span's seal, shared.seal: the API
+node opens it when the block comes back; `display: "omitted"` sends the block with no text), a tool call → tool_use with
 `input_json_delta`s); Finish → `message_delta` (stop reason, cumulative usage) then `message_stop`;
 Error → `event: error` and nothing after. Parallel tool calls whose argument fragments interleave are
 put in order by `encoders.blocks` (one block open at a time; nothing dropped, later blocks held).
@@ -35,8 +36,9 @@ def message_id(request: Request) -> str:
     return f"msg_{request.id}"
 
 
-def thinking_signature(request: Request, index: int) -> str:
-    """An opaque, deterministic signature for thinking block `index`; signatures passed back are never checked."""
+def unsealed_signature(request: Request, index: int) -> str:
+    """The signature of a thinking block whose span came without a seal (a worker with no key, an old
+    dump): opaque and deterministic; sent back, it does not verify, so the block is dropped."""
     return hashlib.sha256(f"{request.id}:{index}".encode()).hexdigest()
 
 
@@ -60,6 +62,7 @@ class _MessageState:
         self.error: Error | None = None
         self.token_ids: list[int] = []
         self._args: dict[int, list[str]] = {}  # block index → input JSON pieces
+        self._signatures: dict[int, str] = {}  # thinking block index → its span's seal
         self._sequencer = BlockSequencer()
         self._open: int | None = None
         self._started = False
@@ -82,10 +85,22 @@ class _MessageState:
             self.finish = delta
             events += self._apply(self._sequencer.finish())
             return [*events, self._message_delta(delta), {"type": "message_stop"}]
+        if isinstance(delta, Reasoning) and (delta.sealed or self.request.thinking.omitted):
+            return events + self._thinking_seal(delta)
         if isinstance(delta, Content | Refusal | Reasoning) and not delta.text:
             return events
         group = "thinking" if isinstance(delta, Reasoning) else TOOL if isinstance(delta, ToolCallStart | ToolCallArgs) else "text"
         return events + self._apply(self._sequencer.feed(delta, group))
+
+    def _thinking_seal(self, delta: Reasoning) -> list[dict[str, Any]]:
+        """The span's seal becomes its block's signature. With `display: "omitted"` the text stays out of
+        the response (it lives in the seal) and the seal alone opens an empty thinking block."""
+        if not delta.sealed:
+            return []  # omitted text
+        events = self._apply(self._sequencer.feed(Reasoning(text=""), "thinking"))
+        if self._open is not None and self.blocks[self._open]["type"] == "thinking":
+            self._signatures[self._open] = delta.sealed
+        return events
 
     def _apply(self, ops: list[Op]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -133,6 +148,8 @@ class _MessageState:
             self._args[self._open].append(delta.arguments)
             return [self._delta({"type": "input_json_delta", "partial_json": delta.arguments})]
         text = getattr(delta, "text", "")
+        if not text:
+            return []  # an omitted thinking block: opened by its seal, no text
         self.blocks[self._open][kind] += text
         return [self._delta({"type": f"{kind}_delta", kind: text})]
 
@@ -149,7 +166,7 @@ class _MessageState:
         index, self._open = self._open, None
         events: list[dict[str, Any]] = []
         if self.blocks[index]["type"] == "thinking":
-            self.blocks[index]["signature"] = thinking_signature(self.request, index)
+            self.blocks[index]["signature"] = self._signature(index)
             events.append(
                 {
                     "type": "content_block_delta",
@@ -183,8 +200,11 @@ class _MessageState:
         if block["type"] == "tool_use":
             block["input"] = _tool_input("".join(self._args[index]))
         elif block["type"] == "thinking":
-            block["signature"] = thinking_signature(self.request, index)
+            block["signature"] = self._signature(index)
         return block
+
+    def _signature(self, index: int) -> str:
+        return self._signatures.get(index) or unsealed_signature(self.request, index)
 
 
 def _stop_sequence(finish: Finish | None) -> str | None:

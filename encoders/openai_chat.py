@@ -4,7 +4,9 @@ Pure: input is the request IR and its deltas, nothing else. Chunks share id/crea
 carries the role; a tool call's first chunk carries index, id, type and name; with
 `stream_options.include_usage` every chunk has `usage: null` and a last chunk has `choices: []` and
 the usage; the stream ends with `data: [DONE]`. An Error delta becomes `data: {"error": {...}}`
-before `[DONE]`, as vLLM does.
+before `[DONE]`, as vLLM does. Reasoning goes out as `reasoning_content` (DeepSeek's and vLLM's
+long-standing name) and, with the same text, as `reasoning` (the name newer vLLM and OpenRouter use),
+so a client reading either name gets it; `completion_tokens_details.reasoning_tokens` counts it.
 """
 
 from __future__ import annotations
@@ -99,14 +101,8 @@ class ChatStreamEncoder:
         if self._done:
             return []
         frames = self._role_frames()
-        if isinstance(delta, Content):
-            extra = self._token_extra(delta.token_ids) or {}
-            if delta.logprobs:
-                extra["logprobs"] = logprobs_json(delta.logprobs)
-            if delta.text or extra:
-                frames.append(self._chunk({"content": delta.text}, extra=extra or None))
-        elif isinstance(delta, Reasoning):
-            frames.append(self._chunk({"reasoning_content": delta.text}, extra=self._token_extra(delta.token_ids)))
+        if isinstance(delta, Content | Reasoning):
+            frames += self._text_chunk(delta)
         elif isinstance(delta, Refusal):
             frames.append(self._chunk({"refusal": delta.text}))
         elif isinstance(delta, ToolCallStart):
@@ -123,6 +119,17 @@ class ChatStreamEncoder:
             frames.append(json_frame(error_json(delta)))
             frames.extend(self.finish())
         return frames
+
+    def _text_chunk(self, delta: Content | Reasoning) -> list[Frame]:
+        """A text chunk; none for a delta with neither text nor token ids to carry (a span's sealed
+        delta: chat has no field for the seal)."""
+        extra = self._token_extra(delta.token_ids) or {}
+        if isinstance(delta, Content) and delta.logprobs:
+            extra["logprobs"] = logprobs_json(delta.logprobs)
+        if not (delta.text or extra):
+            return []
+        fields = {"content": delta.text} if isinstance(delta, Content) else {"reasoning_content": delta.text, "reasoning": delta.text}
+        return [self._chunk(fields, extra=extra or None)]
 
     def finish(self) -> list[Frame]:
         """Close the stream: `[DONE]` once; later calls return nothing."""
@@ -169,7 +176,7 @@ class ChatCompletionAccumulator:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self._text) if self._text or not self._calls else None}
         message["refusal"] = "".join(self._refusal) if self._refusal else None
         if self._reasoning:
-            message["reasoning_content"] = "".join(self._reasoning)
+            message["reasoning_content"] = message["reasoning"] = "".join(self._reasoning)
         if self._calls:
             message["tool_calls"] = [self._calls[i] for i in sorted(self._calls)]
         choice: dict[str, Any] = {

@@ -110,6 +110,8 @@ class _ResponseState:
         if isinstance(delta, Finish):
             status = "completed" if delta.reason.responses_status == "completed" else "incomplete"
             return events + self._apply(self._sequencer.finish(), last_status=status) + self._complete(delta)
+        if isinstance(delta, Reasoning) and delta.sealed:
+            return events + self._sealed(delta.sealed)
         if isinstance(delta, Content | Refusal | Reasoning) and not delta.text:
             return events
         group = "reasoning" if isinstance(delta, Reasoning) else TOOL if isinstance(delta, ToolCallStart | ToolCallArgs) else "message"
@@ -131,10 +133,42 @@ class _ResponseState:
                 events.append(self._ids({"type": "response.function_call_arguments.delta", **self._where(index), "delta": delta.arguments}))
             else:
                 if op.kind == "open":
-                    fields = {"role": "assistant", "content": []} if op.group == "message" else {"summary": [], "content": []}
+                    fields: dict[str, Any] = {"role": "assistant", "content": []}
+                    if op.group == "reasoning":
+                        fields = {"summary": [], "content": [], "encrypted_content": None}
                     events += self._add({"type": op.group, "status": "in_progress", **fields})
-                events += self._text_delta(delta)
+                events += self._summary(delta.text) if isinstance(delta, Reasoning) and self.request.thinking.summary else self._text_delta(delta)
         return events
+
+    def _sealed(self, sealed: str) -> list[dict[str, Any]]:
+        """The span's sealed blob becomes the open reasoning item's `encrypted_content`, when the request
+        asked for it (`include: ["reasoning.encrypted_content"]`); it is final at `output_item.done`."""
+        if self.request.thinking.encrypted and self._open is not None and self.items[self._open]["type"] == "reasoning":
+            self.items[self._open]["encrypted_content"] = sealed
+        return []
+
+    def _summary(self, text: str) -> list[dict[str, Any]]:
+        """Reasoning as summary text (the request set `reasoning.summary`): one `summary_text` part; no
+        summarizer runs, so the summary is the reasoning itself (README)."""
+        assert self._open is not None
+        index, events = self._open, []
+        summary = self.items[index]["summary"]
+        if not summary:
+            summary.append({"type": "summary_text", "text": ""})
+            events.append({"type": "response.reasoning_summary_part.added", **self._where(index), "summary_index": 0, "part": dict(summary[0])})
+        summary[0]["text"] += text
+        events.append(self._ids({"type": "response.reasoning_summary_text.delta", **self._where(index), "summary_index": 0, "delta": text}))
+        return events
+
+    def _close_summary(self, index: int) -> list[dict[str, Any]]:
+        summary = self.items[index].get("summary") or []
+        if not summary:
+            return []
+        where = {**self._where(index), "summary_index": 0}
+        return [
+            {"type": "response.reasoning_summary_text.done", **where, "text": summary[0]["text"]},
+            {"type": "response.reasoning_summary_part.done", **where, "part": dict(summary[0])},
+        ]
 
     def _text_delta(self, delta: StreamDelta | None) -> list[dict[str, Any]]:
         if isinstance(delta, Content):
@@ -165,7 +199,7 @@ class _ResponseState:
             "output": copy.deepcopy(self.items) if status != "in_progress" else [],
             "parallel_tool_calls": r.parallel_tool_calls,
             "previous_response_id": self._echo["previous_response_id"],
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": r.thinking.effort, "summary": r.thinking.summary},
             "store": self._echo["store"],
             "temperature": s.temperature,
             "text": self._echo["text"],
@@ -250,7 +284,7 @@ class _ResponseState:
         if item["type"] == "function_call":
             events = [{"type": "response.function_call_arguments.done", **self._where(index), "arguments": item["arguments"]}]
         else:
-            events = self._close_part(index)
+            events = self._close_summary(index) + self._close_part(index)
         item["status"] = status
         events.append({"type": "response.output_item.done", "output_index": index, "item": copy.deepcopy(item)})
         return events

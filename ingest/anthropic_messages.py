@@ -2,9 +2,10 @@
 
 Owns: the mapping of Messages fields onto the IR. A `tool_result` block becomes its own TOOL message
 (in block order), `tool_use` blocks become the assistant turn's `ToolCall`s (arguments: the JSON text of
-`input`), `thinking` text becomes `Message.reasoning` and `redacted_thinking` is dropped. `system`-role
-entries inside `messages` (sent by recent Claude Code) are kept where they stand. `thinking` is
-validated and otherwise ignored; unknown fields are ignored. Parameters are named `messages[0].content[1].text`.
+`input`), a signed `thinking` block becomes sealed reasoning (opened by the API node, shared.seal; an
+unsigned one is dropped, as is `redacted_thinking`). `system`-role entries inside `messages` (sent by
+recent Claude Code) are kept where they stand. `thinking` and `output_config.effort` become the IR's
+`Thinking` (the reasoning budget); unknown fields are ignored. Parameters are named `messages[0].content[1].text`.
 Must not: do I/O, render templates, or decide whether the model accepts images (the app does).
 """
 
@@ -16,12 +17,14 @@ import orjson
 
 from ingest import constraints
 from ingest import fields as f
+from models.reasoning import EFFORT_BUDGETS
 from shared.errors import invalid
-from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
+from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, Thinking, ToolCall, ToolSpec
 
 ROLES = {"user": Role.USER, "assistant": Role.ASSISTANT, "system": Role.SYSTEM}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 THINKING_TYPES = ("enabled", "disabled", "adaptive")
+EFFORTS = tuple(EFFORT_BUDGETS)
 MAX_MESSAGES = 2048
 MAX_TOOLS = 128
 
@@ -35,7 +38,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
     messages = [*_system(body.get("system"))]
     for i, m in enumerate(raw_messages):
         messages.extend(_message(m, f"messages[{i}]"))
-    _check_thinking(body.get("thinking"))
+    thinking = _thinking(body.get("thinking"), body.get("output_config"))
     choice, parallel = _tool_choice(body.get("tool_choice"))
     tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS)))
     constraints.check_tool_choice(tools, choice, "tool_choice.name" if choice and choice.startswith("function:") else "tool_choice")
@@ -58,6 +61,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         tool_choice=choice,
         parallel_tool_calls=parallel,
         constraint=constraints.one_of(body, constraints.anthropic_output_format(body.get("output_config"))),
+        thinking=thinking,
         return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
         created=created,
         metadata=_metadata(body.get("metadata")),
@@ -109,7 +113,7 @@ def _message(value: Any, param: str) -> list[Message]:
 def _assistant(blocks: list[dict[str, Any]], param: str) -> Message:
     parts: list[ContentPart] = []
     calls: list[ToolCall] = []
-    reasoning: list[str] = []
+    sealed: list[tuple[str, str]] = []
     for j, b in enumerate(blocks):
         kind, where = b.get("type"), f"{param}[{j}]"
         if kind == "text":
@@ -123,10 +127,13 @@ def _assistant(blocks: list[dict[str, Any]], param: str) -> Message:
                 )
             )
         elif kind == "thinking":
-            reasoning.append(f.string(f.require(b, "thinking", f"{where}.thinking"), f"{where}.thinking"))
+            text = f.string(f.require(b, "thinking", f"{where}.thinking"), f"{where}.thinking")
+            signature = b.get("signature")
+            if isinstance(signature, str) and signature:  # unsigned thinking cannot be verified: dropped
+                sealed.append((text, signature))
         elif kind != "redacted_thinking":
             raise _bad_block(kind, where, "'text', 'tool_use', 'thinking', 'redacted_thinking'")
-    return Message(role=Role.ASSISTANT, content=tuple(parts), tool_calls=tuple(calls), reasoning="".join(reasoning) if reasoning else None)
+    return Message(role=Role.ASSISTANT, content=tuple(parts), tool_calls=tuple(calls), sealed_reasoning=tuple(sealed))
 
 
 def _user_or_system(role: Role, blocks: list[dict[str, Any]], param: str) -> list[Message]:
@@ -223,17 +230,34 @@ def _tool_choice(value: Any) -> tuple[str | None, bool]:
     return TOOL_CHOICES[kind], parallel
 
 
-def _check_thinking(value: Any) -> None:
+def _thinking(value: Any, output_config: Any) -> Thinking:
+    """`thinking` and `output_config.effort` → the IR's Thinking: `enabled` with its `budget_tokens`,
+    `adaptive` (the effort's budget, models.reasoning), `disabled`; `display: "omitted"` sends
+    thinking blocks with their signature only."""
+    effort = None
+    if isinstance(output_config, dict) and output_config.get("effort") is not None:
+        effort = f.string(output_config["effort"], "output_config.effort")
+        if effort not in EFFORTS:
+            raise invalid(f"Invalid value: '{effort}'. Supported values are: {_quoted(EFFORTS)}.", "output_config.effort", "invalid_value")
     if value is None:
-        return
+        return Thinking(effort=effort)
     thinking = f.obj(value, "thinking")
     kind = f.string(f.require(thinking, "type", "thinking.type"), "thinking.type")
     if kind not in THINKING_TYPES:
         raise invalid(
             f"Invalid value: '{kind}'. Supported values are: 'enabled', 'disabled' and 'adaptive'.", "thinking.type", "invalid_value"
         )
+    omitted = thinking.get("display") == "omitted"
+    if kind == "disabled":
+        return Thinking(enabled=False, effort=effort)
+    budget = None
     if kind == "enabled":
-        f.integer(f.require(thinking, "budget_tokens", "thinking.budget_tokens"), "thinking.budget_tokens", lo=1, hi=f.MAX_TOKENS_CAP)
+        budget = f.integer(f.require(thinking, "budget_tokens", "thinking.budget_tokens"), "thinking.budget_tokens", lo=1, hi=f.MAX_TOKENS_CAP)
+    return Thinking(enabled=True, budget_tokens=budget, effort=effort, omitted=omitted)
+
+
+def _quoted(values: tuple[str, ...]) -> str:
+    return ", ".join(f"'{v}'" for v in values)
 
 
 def _metadata(value: Any) -> tuple[tuple[str, str], ...]:

@@ -49,6 +49,7 @@ from shared.deltas import Error, StreamDelta, is_terminal
 from shared.errors import ApiError, invalid
 from shared.ir import ImagePart, Protocol, Request
 from shared.redact import redact
+from shared.seal import Sealer, load_sealer, open_reasoning
 from shared.settings import Settings
 
 log = logging.getLogger("met.api")
@@ -74,6 +75,7 @@ class Api:
         self.auth = Authenticator.from_settings(settings)
         self.limiter = RateLimiter(self.redis, settings)
         self.metrics = Metrics(self.redis, heartbeat_ttl=settings.heartbeat_ttl)
+        self.sealer: Sealer | None = None  # the deployment's reasoning seal (shared.seal), loaded on start
 
     # ---- shared steps -------------------------------------------------------------------------
 
@@ -86,6 +88,7 @@ class Api:
         if not self.renderer.info.vision and any(isinstance(p, ImagePart) for m in request.messages for p in m.content):
             raise invalid(f"The model {self.model_name} does not accept images.", "messages", "image_not_supported")
         self.renderer.check_constraint(request)
+        request = open_reasoning(request, self.sealer)
         prompt = self.renderer.render(request)
         limit = self.renderer.info.max_model_len
         if len(prompt) >= limit:
@@ -421,6 +424,7 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     tasks: list[asyncio.Task[None]] = []
 
     async def start(_: Application) -> None:
+        api.sealer = await load_sealer(api.redis, keys.SEAL_KEY)
         tasks.append(asyncio.create_task(dispatcher.run(stop_dispatch)))
 
     async def close(_: Application) -> None:

@@ -9,8 +9,9 @@ from typing import Any
 
 from ingest import constraints
 from ingest import fields as f
+from models.reasoning import EFFORT_BUDGETS
 from shared.errors import invalid
-from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
+from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, Thinking, ToolCall, ToolSpec
 
 ROLES = {r.value: r for r in Role}
 MAX_MESSAGES = 2048
@@ -48,12 +49,34 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         tool_choice=tool_choice,
         parallel_tool_calls=f.boolean(body["parallel_tool_calls"], "parallel_tool_calls") if body.get("parallel_tool_calls") is not None else True,
         constraint=constraints.one_of(body, constraints.chat_response_format(body.get("response_format"))),
+        thinking=_thinking(body),
         return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
         priority=f.integer(body["priority"], "priority", lo=-(2**31), hi=2**31) if body.get("priority") is not None else 0,
         created=created,
         metadata=metadata(body.get("metadata")),
         endpoint="/v1/chat/completions",
     )
+
+
+def reasoning_effort(value: Any, param: str) -> str | None:
+    """A reasoning effort level (`none` … `xhigh`, models.reasoning's table), or None when not given."""
+    if value is None:
+        return None
+    effort = f.string(value, param)
+    if effort not in EFFORT_BUDGETS:
+        supported = ", ".join(f"'{e}'" for e in EFFORT_BUDGETS)
+        raise invalid(f"Invalid value: {effort!r}. Supported values are: {supported}.", param, "invalid_value")
+    return effort
+
+
+def _thinking(body: dict[str, Any]) -> Thinking:
+    """`reasoning_effort` (`none` turns reasoning off), and vLLM's `chat_template_kwargs.enable_thinking`."""
+    effort = reasoning_effort(body.get("reasoning_effort"), "reasoning_effort")
+    enabled = False if effort == "none" else None
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and kwargs.get("enable_thinking") is not None:
+        enabled = f.boolean(kwargs["enable_thinking"], "chat_template_kwargs.enable_thinking")
+    return Thinking(enabled=enabled, effort=effort)
 
 
 def _not_object(body: Any) -> Any:

@@ -16,15 +16,16 @@ from typing import Any
 from ingest import constraints
 from ingest import fields as f
 from ingest.openai_chat import metadata as metadata_pairs
-from ingest.openai_chat import sampling
+from ingest.openai_chat import reasoning_effort, sampling
 from shared.errors import invalid
-from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, TextPart, ToolCall, ToolSpec
+from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, TextPart, Thinking, ToolCall, ToolSpec
 
 ROLES = {"user": Role.USER, "assistant": Role.ASSISTANT, "system": Role.SYSTEM, "developer": Role.DEVELOPER}
 TEXT_PARTS = ("input_text", "output_text")
 # Sampling fields the Responses API shares, name for name, with chat (so `sampling()` names them right).
 SHARED_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
 MAX_ITEMS = 2048
+SUMMARIES = ("auto", "concise", "detailed")
 MAX_TOOLS = 128
 
 
@@ -63,6 +64,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         if body.get("parallel_tool_calls") is not None
         else True,
         constraint=constraints.one_of(body, constraints.responses_text_format(body.get("text"))),
+        thinking=_thinking(body.get("reasoning"), body.get("include")),
         return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
         created=created,
         metadata=metadata_pairs(body.get("metadata")),
@@ -94,6 +96,8 @@ def _input(value: Any) -> list[Message]:
             turn.parts.extend(_content(f.require(item, "content", f"{param}.content"), f"{param}.content"))
         elif kind == "function_call":
             turn.calls.append(_function_call(item, param))
+        elif kind == "reasoning" and isinstance(item.get("encrypted_content"), str) and item["encrypted_content"]:
+            turn.sealed.append(("", item["encrypted_content"]))  # the sealed text wins over the shown summary
         elif kind == "reasoning":
             turn.reasoning.append(_reasoning(item, param))
         elif kind in ("message", "function_call_output"):
@@ -113,17 +117,19 @@ class _AssistantTurn:
         self.parts: list[ContentPart] = []
         self.calls: list[ToolCall] = []
         self.reasoning: list[str] = []
+        self.sealed: list[tuple[str, str]] = []  # `encrypted_content` blobs, opened by the API node (shared.seal)
 
     def flush(self) -> list[Message]:
-        if not (self.parts or self.calls or self.reasoning):
+        if not (self.parts or self.calls or self.reasoning or self.sealed):
             return []
         message = Message(
             role=Role.ASSISTANT,
             content=tuple(self.parts),
             tool_calls=tuple(self.calls),
             reasoning="".join(self.reasoning) if self.reasoning else None,
+            sealed_reasoning=tuple(self.sealed),
         )
-        self.parts, self.calls, self.reasoning = [], [], []
+        self.parts, self.calls, self.reasoning, self.sealed = [], [], [], []
         return [message]
 
 
@@ -178,6 +184,20 @@ def _function_call_output(item: dict[str, Any], param: str) -> Message:
     if output is None:
         raise invalid(f"Missing required parameter: '{param}.output'.", f"{param}.output", "missing_required_parameter")
     return Message(role=Role.TOOL, content=_content(output, f"{param}.output"), tool_call_id=call_id)
+
+
+def _thinking(reasoning: Any, include: Any) -> Thinking:
+    """`reasoning.effort` (the budget, models.reasoning; `none` turns reasoning off), `reasoning.summary`
+    (reasoning goes out as summary text) and `include: ["reasoning.encrypted_content"]`."""
+    encrypted = "reasoning.encrypted_content" in f.array(include or [], "include")
+    if reasoning is None:
+        return Thinking(encrypted=encrypted)
+    value = f.obj(reasoning, "reasoning")
+    effort = reasoning_effort(value.get("effort"), "reasoning.effort")
+    summary = value.get("summary") if value.get("summary") is not None else value.get("generate_summary")
+    if summary is not None and summary not in SUMMARIES:
+        raise invalid(f"Invalid value: {summary!r}. Supported values are: 'auto', 'concise' and 'detailed'.", "reasoning.summary", "invalid_value")
+    return Thinking(enabled=False if effort == "none" else None, effort=effort, summary=summary, encrypted=encrypted)
 
 
 def _reasoning(item: dict[str, Any], param: str) -> str:

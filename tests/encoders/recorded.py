@@ -43,6 +43,13 @@ SCENARIOS: dict[str, list[StreamDelta]] = {
         Content(text="Hi!", token_ids=(13,)),
         Finish(reason=FinishReason.STOP, usage=usage(5, reasoning=3)),
     ],
+    "sealed_reasoning_then_text": [  # a worker with the deployment key: the span's seal closes it
+        Reasoning(text="Six sevens", token_ids=(10, 11)),
+        Reasoning(text=" are 42.", token_ids=(12,)),
+        Reasoning(text="", sealed="bWV0MVNFQUxFRA==", token_ids=(13,)),
+        Content(text="42", token_ids=(14,)),
+        Finish(reason=FinishReason.STOP, usage=usage(5, reasoning=3)),
+    ],
     "two_tool_calls": [
         Content(text="Checking both.", token_ids=(20,)),
         ToolCallStart(index=0, id="toolu_a", name="get_weather", token_ids=(21,)),

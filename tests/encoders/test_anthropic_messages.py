@@ -11,10 +11,10 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from encoders.anthropic_messages import MessageAccumulator, MessagesStreamEncoder, error_frame, thinking_signature
+from encoders.anthropic_messages import MessageAccumulator, MessagesStreamEncoder, error_frame, unsealed_signature
 from encoders.frames import Frame
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, Reasoning, StreamDelta, Usage
-from shared.ir import Protocol, Request
+from shared.ir import Protocol, Request, Thinking
 from tests.encoders.recorded import PROMPT_IDS, SCENARIOS, request
 
 STOP_REASONS = {"end_turn", "max_tokens", "stop_sequence", "tool_use", "pause_turn", "refusal"}
@@ -25,6 +25,7 @@ START, DELTA, STOP = "content_block_start", "content_block_delta", "content_bloc
 EXPECTED_EVENTS = {
     "plain_text": ["message_start", START, DELTA, DELTA, STOP, "message_delta", "message_stop"],
     "reasoning_then_text": ["message_start", START, DELTA, DELTA, DELTA, STOP, START, DELTA, STOP, "message_delta", "message_stop"],
+    "sealed_reasoning_then_text": ["message_start", START, DELTA, DELTA, DELTA, STOP, START, DELTA, STOP, "message_delta", "message_stop"],
     "two_tool_calls": ["message_start", START, DELTA, STOP, START, DELTA, DELTA, STOP, START, DELTA, STOP, "message_delta", "message_stop"],
     "interleaved_parallel_calls": [
         "message_start", START, DELTA, STOP, START, DELTA, DELTA, STOP, START, DELTA, DELTA, STOP, START, DELTA, STOP, "message_delta", "message_stop",
@@ -171,10 +172,31 @@ def test_a_thinking_block_is_signed_before_it_stops_and_the_body_carries_the_sam
     assert [e["delta"] for e in events[2:5]] == [
         {"type": "thinking_delta", "thinking": "The user greets"},
         {"type": "thinking_delta", "thinking": " me."},
-        {"type": "signature_delta", "signature": thinking_signature(req, 0)},
+        {"type": "signature_delta", "signature": unsealed_signature(req, 0)},
     ]
     body = accumulate(req, SCENARIOS["reasoning_then_text"])
-    assert body["content"][0] == {"type": "thinking", "thinking": "The user greets me.", "signature": thinking_signature(req, 0)}
+    assert body["content"][0] == {"type": "thinking", "thinking": "The user greets me.", "signature": unsealed_signature(req, 0)}
+
+
+def test_a_sealed_span_signs_its_block_with_the_seal_and_omitted_display_sends_the_seal_alone() -> None:
+    deltas = SCENARIOS["sealed_reasoning_then_text"]
+    seal = "bWV0MVNFQUxFRA=="
+    shown = payloads(replay(anthropic_request(), deltas))
+    assert [e["delta"] for e in shown if e["type"] == DELTA][:3] == [
+        {"type": "thinking_delta", "thinking": "Six sevens"},
+        {"type": "thinking_delta", "thinking": " are 42."},
+        {"type": "signature_delta", "signature": seal},
+    ]
+    omitted = anthropic_request(thinking=Thinking(enabled=True, omitted=True))
+    frames = replay(omitted, deltas)
+    check_stream(frames)
+    events = payloads(frames)
+    assert [e["type"] for e in events] == ["message_start", START, DELTA, STOP, START, DELTA, STOP, "message_delta", "message_stop"]
+    assert events[1]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
+    assert events[2]["delta"] == {"type": "signature_delta", "signature": seal}
+    body = accumulate(omitted, deltas)
+    assert body["content"] == [{"type": "thinking", "thinking": "", "signature": seal}, {"type": "text", "text": "42"}]
+    assert body["usage"]["output_tokens"] == 5
 
 
 def test_an_error_mid_stream_is_an_error_event_with_nothing_after() -> None:

@@ -157,3 +157,12 @@ def test_the_non_streaming_body_reports_the_cached_prompt_tokens_of_the_finish()
     body = ChatCompletion.model_validate(chat_completion_body(req, [acc]))
     assert body.usage is not None and body.usage.prompt_tokens_details is not None
     assert (body.usage.prompt_tokens, body.usage.prompt_tokens_details.cached_tokens) == (40, 32)
+
+
+def test_reasoning_goes_out_under_both_names_and_the_seal_adds_no_chunk() -> None:
+    chunks = payloads(run("sealed_reasoning_then_text"))
+    deltas = [c["choices"][0]["delta"] for c in chunks if isinstance(c, dict) and c.get("choices")]
+    reasoning = [d for d in deltas if "reasoning_content" in d]
+    assert [(d["reasoning_content"], d["reasoning"]) for d in reasoning] == [("Six sevens", "Six sevens"), (" are 42.", " are 42.")]
+    message = _accumulated("sealed_reasoning_then_text").choice()["message"]
+    assert message["reasoning_content"] == message["reasoning"] == "Six sevens are 42."

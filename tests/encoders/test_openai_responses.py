@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 from encoders.frames import Frame
 from encoders.openai_responses import ResponseAccumulator, ResponsesStreamEncoder
 from shared.deltas import Content, Error, Finish, FinishReason, Refusal, StreamDelta, ToolCallStart, Usage
-from shared.ir import Protocol, Request, SamplingParams, ToolSpec
+from shared.ir import Protocol, Request, SamplingParams, Thinking, ToolSpec
 from tests.encoders.recorded import PROMPT_IDS, SCENARIOS, request
 
 EVENT_ADAPTER: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
@@ -51,12 +51,16 @@ REASONING_ITEM = [
 EXPECTED_EVENTS = {
     "plain_text": [*HEAD, *message_item(2), "response.completed"],
     "reasoning_then_text": [*HEAD, *REASONING_ITEM, *message_item(1), "response.completed"],
+    "sealed_reasoning_then_text": [*HEAD, *REASONING_ITEM, *message_item(1), "response.completed"],
     "two_tool_calls": [*HEAD, *message_item(1), *call_item(2), *call_item(1), "response.completed"],
     "interleaved_parallel_calls": [*HEAD, *message_item(1), *call_item(2), *call_item(2), *message_item(1), "response.completed"],
     "stop_sequence": [*HEAD, *message_item(1), "response.completed"],
     "max_tokens": [*HEAD, *message_item(1), "response.incomplete"],
     "error_mid_stream": [*HEAD, *message_item(1), "error", "response.failed"],
 }
+
+
+SUMMARY_ADDED, SUMMARY_DONE = "response.reasoning_summary_part.added", "response.reasoning_summary_part.done"
 
 
 def responses_request(**overrides: object) -> Request:
@@ -117,10 +121,10 @@ def _check_items(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             assert item is None
         else:
             assert item is not None and (event["item_id"], event["output_index"]) == (item["id"], len(done))
-            if kind == PART_ADDED:
+            if kind in (PART_ADDED, SUMMARY_ADDED):
                 assert not part_open
                 part_open = True
-            elif kind == PART_DONE:
+            elif kind in (PART_DONE, SUMMARY_DONE):
                 assert part_open
                 part_open = False
             elif kind.endswith(".delta") and kind != ARGS_DELTA:
@@ -173,6 +177,30 @@ def test_plain_text_ends_completed_with_usage_and_the_sdk_output_text() -> None:
     final = events[-1].response
     assert (final.status, final.output_text, final.id) == ("completed", "Hello, world", "resp_req01")
     assert final.usage is not None and (final.usage.input_tokens, final.usage.output_tokens, final.usage.total_tokens) == (4, 4, 8)
+
+
+def test_summary_mode_streams_reasoning_as_summary_text_and_include_returns_the_seal_as_encrypted_content() -> None:
+    req = responses_request(thinking=Thinking(summary="auto", encrypted=True, effort="low"))
+    deltas = SCENARIOS["sealed_reasoning_then_text"]
+    frames = replay(req, deltas)
+    check_stream(frames)
+    assert [f.event for f in frames][2:9] == [
+        ITEM_ADDED,
+        SUMMARY_ADDED,
+        "response.reasoning_summary_text.delta",
+        "response.reasoning_summary_text.delta",
+        "response.reasoning_summary_text.done",
+        SUMMARY_DONE,
+        ITEM_DONE,
+    ]
+    body = accumulate(req, deltas)
+    item = body["output"][0]
+    assert item["summary"] == [{"type": "summary_text", "text": "Six sevens are 42."}] and item["content"] == []
+    assert item["encrypted_content"] == "bWV0MVNFQUxFRA=="
+    assert body["reasoning"] == {"effort": "low", "summary": "auto"}
+    final = sdk_replay(frames)[-1].response
+    assert final.model_dump(mode="json", exclude_none=True) == drop_none(body)
+    assert accumulate(responses_request(), deltas)["output"][0]["encrypted_content"] is None  # not included unless asked
 
 
 def test_reasoning_is_an_item_before_the_message_it_explains() -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from ingest.anthropic_messages import parse
 from shared.errors import ApiError
-from shared.ir import ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
+from shared.ir import ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, Thinking, ToolCall, ToolSpec
 
 
 def body(**fields: Any) -> dict[str, Any]:
@@ -117,7 +117,7 @@ def test_a_tool_use_round_trip_becomes_an_assistant_tool_call_and_tool_messages(
             role=Role.ASSISTANT,
             content=(TextPart(text="Checking."),),
             tool_calls=(ToolCall(id="toolu_1", name="get_weather", arguments='{"city":"Paris"}'),),
-            reasoning="Need the tool.",
+            sealed_reasoning=(("Need the tool.", "sig"),),  # opened (or dropped) by the API node: shared.seal
         ),
         Message(role=Role.TOOL, content=(TextPart(text="18C"),), tool_call_id="toolu_1"),
         Message(role=Role.TOOL, content=(TextPart(text="a"), TextPart(text="b")), tool_call_id="toolu_2", is_error=True),
@@ -147,9 +147,12 @@ def test_tools_and_tool_choice_map_onto_the_ir() -> None:
     assert {kind: parsed(body(tools=tools, tool_choice={"type": kind})).tool_choice for kind in choices} == choices
 
 
-def test_thinking_is_accepted_and_ignored() -> None:
-    assert parsed(body(thinking={"type": "enabled", "budget_tokens": 2048})) == parsed(body())
-    assert parsed(body(thinking={"type": "disabled"})) == parsed(body())
+def test_thinking_and_effort_become_the_reasoning_budget() -> None:
+    assert parsed(body(thinking={"type": "enabled", "budget_tokens": 2048})).thinking == Thinking(enabled=True, budget_tokens=2048)
+    assert parsed(body(thinking={"type": "disabled"})).thinking == Thinking(enabled=False)
+    adaptive = parsed(body(thinking={"type": "adaptive", "display": "omitted"}, output_config={"effort": "high"})).thinking
+    assert adaptive == Thinking(enabled=True, effort="high", omitted=True)
+    assert parsed(body()).thinking == Thinking()
 
 
 @pytest.mark.parametrize(
