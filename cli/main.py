@@ -50,6 +50,11 @@ ToolParser = Annotated[
     str | None,
     typer.Option(help="Tool-call syntax parsed from model output: auto (our hermes-style format), hermes, or none (no parsing, no tool grammar)."),
 ]
+ReasoningParser = Annotated[
+    str | None,
+    typer.Option(help="Reasoning spans in model output: auto (<think> models, from the template), qwen3, deepseek_r1, or none."),
+]
+MaxThinkingTokens = Annotated[int | None, typer.Option(help="Cap on every request's reasoning budget, tokens (0: no cap).")]
 ApiKeysFile = Annotated[str | None, typer.Option(help="A file of API keys, one per line (# comments).")]
 RateLimitRpm = Annotated[int | None, typer.Option(help="Requests per minute per API key (0: unlimited); shared by every API node.")]
 RateLimitTpm = Annotated[int | None, typer.Option(help="Tokens per minute per API key (prompt + max_tokens, charged at admission; 0: unlimited).")]
@@ -90,8 +95,12 @@ def _settings(**overrides: object) -> Settings:
 
 
 def _check_tool_parser(settings: Settings) -> None:
+    from models.reasoning import PARSERS
+
     if settings.tool_parser not in ("auto", "hermes", "none"):
         raise typer.BadParameter(f"{settings.tool_parser!r}: choose auto, hermes or none", param_hint="--tool-parser")
+    if settings.reasoning_parser not in PARSERS:
+        raise typer.BadParameter(f"{settings.reasoning_parser!r}: choose {', '.join(PARSERS)}", param_hint="--reasoning-parser")
 
 
 @app.command()
@@ -136,6 +145,8 @@ def serve(
     default_max_tokens: DefaultMaxTokens = None,
     log_format: LogFormat = None,
     tool_parser: ToolParser = None,
+    reasoning_parser: ReasoningParser = None,
+    max_thinking_tokens: MaxThinkingTokens = None,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="On a terminal, log lines instead of the `met top` dashboard.")] = False,
 ) -> None:
     """Run everything: embedded Redis (unless --redis-url), the API and N workers. Ctrl-C stops all."""
@@ -209,6 +220,8 @@ def worker(
     default_max_tokens: DefaultMaxTokens = None,
     log_format: LogFormat = None,
     tool_parser: ToolParser = None,
+    reasoning_parser: ReasoningParser = None,
+    max_thinking_tokens: MaxThinkingTokens = None,
 ) -> None:
     """Run one worker: claim requests from --redis-url, generate, append deltas."""
     settings = _settings(**locals())

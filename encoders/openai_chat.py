@@ -200,7 +200,12 @@ class ChatCompletionAccumulator:
 def chat_completion_body(request: Request, choices: list[ChatCompletionAccumulator]) -> dict[str, Any]:
     """Assemble the `chat.completion` body; usage sums completion tokens over the n choices."""
     prompt = choices[0].usage.prompt_tokens if choices else 0
-    usage = Usage(prompt_tokens=prompt, completion_tokens=sum(c.usage.completion_tokens for c in choices), cached_tokens=choices[0].usage.cached_tokens if choices else 0)
+    usage = Usage(
+        prompt_tokens=prompt,
+        completion_tokens=sum(c.usage.completion_tokens for c in choices),
+        cached_tokens=choices[0].usage.cached_tokens if choices else 0,
+        reasoning_tokens=sum(c.usage.reasoning_tokens for c in choices),
+    )
     body: dict[str, Any] = {
         "id": completion_id(request),
         "object": "chat.completion",
