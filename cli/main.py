@@ -35,6 +35,7 @@ KvBudget = Annotated[int | None, typer.Option("--kv-budget-mb", help="KV block p
 PrefixCache = Annotated[bool | None, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of identical prompt prefixes (on by default).")]
 MaxModelLen = Annotated[int | None, typer.Option(help="Longest prompt + completion, tokens (default and cap: the model's context).")]
 MaxQueue = Annotated[int | None, typer.Option(help="Accepted-but-unfinished requests beyond which new ones get 429 / 529.")]
+ResumeGrace = Annotated[float | None, typer.Option("--resume-grace-s", help="Seconds a stream whose client left keeps generating, so the client can resume it (0: cancel at once).")]
 RequestTimeout = Annotated[float | None, typer.Option(help="Seconds from acceptance until a request ends with a timeout finish.")]
 LeaseS = Annotated[float | None, typer.Option("--lease", help="Seconds a worker may go without renewing a claimed request before another takes it over.")]
 DrainTimeout = Annotated[float | None, typer.Option(help="On SIGTERM, seconds a worker may spend finishing in-flight requests before handing them back.")]
@@ -120,6 +121,7 @@ def serve(
     max_queue: MaxQueue = None,
     max_tokens_per_step: MaxTokensPerStep = None,
     request_timeout: RequestTimeout = None,
+    resume_grace_s: ResumeGrace = None,
     lease_s: LeaseS = None,
     drain_timeout: DrainTimeout = None,
     max_deliveries: MaxDeliveries = None,
@@ -169,6 +171,7 @@ def api(
     max_model_len: MaxModelLen = None,
     max_queue: MaxQueue = None,
     request_timeout: RequestTimeout = None,
+    resume_grace_s: ResumeGrace = None,
     dump_ttl: DumpTtl = None,
     dump_dir: DumpDir = None,
     served_model_name: ServedName = None,

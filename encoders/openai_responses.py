@@ -72,6 +72,7 @@ def _echo(request: Request) -> dict[str, Any]:
         "instructions": body.get("instructions") if isinstance(body.get("instructions"), str) else None,
         "previous_response_id": body.get("previous_response_id") if isinstance(body.get("previous_response_id"), str) else None,
         "store": body["store"] if isinstance(body.get("store"), bool) else True,
+        "background": body.get("background") is True,
         "text": text if isinstance(text, dict) and isinstance(text.get("format"), dict) else {"format": {"type": "text"}},
     }
 
@@ -189,7 +190,7 @@ class _ResponseState:
             "object": "response",
             "created_at": int(r.created),
             "status": status,
-            "background": False,
+            "background": self._echo["background"],
             "error": terminal.get("error"),
             "incomplete_details": terminal.get("incomplete_details"),
             "instructions": self._echo["instructions"],

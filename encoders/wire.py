@@ -1,6 +1,12 @@
 """The thin wire module beside the pure encoders: reads a request's delta stream from Redis, frames SSE,
 sends keep-alive pings during silence, and turns a vanished client into a cancel flag.
 
+Resumable streams: every frame an encoder produces gets an SSE `id:`, its position in the stream
+(0, 1, 2…; pings have none). Encoders are pure functions of the request and its deltas, so a stream
+re-encoded from the first delta yields the same frames with the same ids: resuming after event N is
+re-encoding and skipping frames up to N (`skip`), on any API node. For Responses the id equals the
+event's `sequence_number`.
+
 Everything protocol-specific is in the encoders; this module only moves their frames.
 """
 
@@ -57,8 +63,24 @@ async def tail(redis: Redis, request_id: str, *, deadline: float, block_ms: int 
                     return
 
 
-def to_sse(frame: Frame) -> TextServerSentEvent:
-    return TextServerSentEvent(frame.data, event=frame.event, comment=frame.comment)
+def to_sse(frame: Frame, position: int | None = None) -> TextServerSentEvent:
+    return TextServerSentEvent(frame.data, event=frame.event, comment=frame.comment, id=None if position is None else str(position))
+
+
+class _Numbered:
+    """Gives encoder frames their stream positions; those at or before `skip` are not sent."""
+
+    def __init__(self, skip: int) -> None:
+        self.skip = skip
+        self.position = -1
+
+    def send(self, frames: list[Frame]) -> list[TextServerSentEvent]:
+        out = []
+        for frame in frames:
+            self.position += 1
+            if self.position > self.skip:
+                out.append(to_sse(frame, self.position))
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +99,14 @@ async def sse_events(
     ping: Callable[[], list[Frame]],
     ping_interval: float,
     client: ClientLink,
+    skip: int = -1,
 ) -> AsyncIterator[TextServerSentEvent]:
-    """Encode deltas as SSE, pinging after `ping_interval` of silence. The ASGI server drops writes to
-    a closed connection silently, so the client is polled; if it is gone before the terminal event,
-    stop and call `on_abandon` (which flags the cancel the worker acts on)."""
+    """Encode deltas as SSE, pinging after `ping_interval` of silence; frames at positions up to `skip`
+    (a resumed stream's Last-Event-ID) are encoded but not sent. The ASGI server drops writes to a
+    closed connection silently, so the client is polled; if it is gone before the terminal event, stop
+    and call `on_abandon` (which flags the cancel the worker acts on, after the resume grace)."""
     completed = False
+    numbered = _Numbered(skip)
     last_sent = last_check = time.monotonic()
     try:
         async for delta in deltas:
@@ -93,16 +118,18 @@ async def sse_events(
             if delta is None:
                 if now - last_sent < ping_interval:
                     continue
-                frames = ping() or [Frame("", comment="ping")]
-            else:
-                frames = encoder.feed(delta)
-                completed = is_terminal(delta)
-            for frame in frames:
-                yield to_sse(frame)
-            last_sent = now
+                for frame in ping() or [Frame("", comment="ping")]:
+                    yield to_sse(frame)
+                last_sent = now
+                continue
+            completed = is_terminal(delta)
+            for event in numbered.send(encoder.feed(delta)):
+                yield event
+            if numbered.position > skip:
+                last_sent = now
         else:
-            for frame in encoder.finish():
-                yield to_sse(frame)
+            for event in numbered.send(encoder.finish()):
+                yield event
     finally:
         if not completed:
             await asyncio.shield(client.on_abandon())

@@ -34,7 +34,7 @@ from encoders import openai_chat as chat_enc
 from encoders import openai_responses as response_enc
 from encoders.frames import Frame
 from encoders.wire import ClientLink, StreamEncoder, collect, sse_events, tail
-from ingest import anthropic_messages, openai_chat, openai_responses, responses_store
+from ingest import anthropic_messages, openai_chat, openai_responses, responses_store, resume
 from ingest.auth import ANONYMOUS, Authenticator
 from ingest.batch_dispatch import BatchDispatcher
 from ingest.batch_routes import BatchLines, BatchRoutes
@@ -75,6 +75,7 @@ class Api:
         self.auth = Authenticator.from_settings(settings)
         self.limiter = RateLimiter(self.redis, settings)
         self.metrics = Metrics(self.redis, heartbeat_ttl=settings.heartbeat_ttl)
+        self._followers: set[asyncio.Task[None]] = set()  # background responses being saved
         self.sealer: Sealer | None = None  # the deployment's reasoning seal (shared.seal), loaded on start
 
     # ---- shared steps -------------------------------------------------------------------------
@@ -145,12 +146,24 @@ class Api:
         return ClientLink(is_disconnected=http.is_disconnected, on_abandon=abandon)
 
     def stream(
-        self, http: HttpRequest, request: Request, encoder: StreamEncoder, *, ping: Callable[[], list[Frame]], deltas: AsyncIterator[StreamDelta | None]
+        self,
+        http: HttpRequest,
+        request: Request,
+        surface: Surface,
+        *,
+        deltas: AsyncIterator[StreamDelta | None],
+        skip: int = -1,
+        detached: bool = False,
     ) -> Response:
-        link = self.client_link(http, request)
+        """SSE for a stream, resumable (ingest.resume): a client that leaves gets `--resume-grace-s` to
+        come back before the generation is cancelled; a background one is never cancelled by leaving."""
+        abandon = _nothing if detached else resume.graceful_cancel(self.redis, request.id, self.settings.resume_grace_s)
+        link = ClientLink(is_disconnected=http.is_disconnected, on_abandon=abandon)
+        encoder: StreamEncoder = surface.stream_encoder(request)
+        ping = surface.ping(encoder)
 
         def events() -> AsyncIterator[TextServerSentEvent]:
-            return sse_events(deltas, encoder, ping=ping, ping_interval=self.settings.ping_interval, client=link)
+            return sse_events(deltas, encoder, ping=ping, ping_interval=self.settings.ping_interval, client=link, skip=skip)
 
         return ServerSentEventsResponse(
             events,
@@ -159,6 +172,18 @@ class Api:
 
     async def collect(self, http: HttpRequest, request: Request) -> list[StreamDelta]:
         return await collect(self.deltas(request, http), client=self.client_link(http, request))
+
+    def _follow(self, deltas: AsyncIterator[StreamDelta | None], request: Request, store: Saver | None) -> None:
+        """A background response's follower: reads its deltas to the end and saves it (no client waits)."""
+
+        async def follow() -> None:
+            seen = [d async for d in deltas if d is not None]
+            if store is not None:
+                await store(request, seen)
+
+        task = asyncio.create_task(follow())
+        self._followers.add(task)
+        task.add_done_callback(self._followers.discard)
 
     # ---- routes -------------------------------------------------------------------------------
 
@@ -194,8 +219,30 @@ class Api:
         return json_response({"input_tokens": len(self.renderer.render(request))})
 
     async def get_response(self, http: HttpRequest) -> Response:
-        body, _ = await responses_store.load(self.redis, _route_value(http, "response_id"))
-        return json_response(body)
+        """The response (stored, or rebuilt while it runs); `?stream=true&starting_after=N` streams its
+        events after sequence number N, live or finished, as a client connected from the start got them."""
+        response_id = _route_value(http, "response_id")
+        if http.query.get("stream", [""])[0] != "true":
+            body, _ = await responses_store.load(self.redis, response_id)
+            return json_response(body)
+        recorded = await responses_store.live(self.redis, response_id)
+        if recorded is None:
+            raise ApiError(f"Response with id '{response_id}' has no stream to replay.", status=404, kind="not_found", code="response_not_found")
+        after = resume.event_position(http.query.get("starting_after", ["-1"])[0], "starting_after")
+        return await self.resume(http, RESPONSES, recorded[0].id, after, background=True)
+
+    async def cancel_response(self, http: HttpRequest) -> Response:
+        return json_response(await responses_store.cancel_background(self.redis, _route_value(http, "response_id")))
+
+    async def resume(self, http: HttpRequest, surface: Surface, request_id: str, after: int, *, background: bool = False) -> Response:
+        """The rest of a stream after event `after`, re-encoded from its first delta (any API node)."""
+        request = await resume.load(self.redis, request_id, surface.protocol)
+        if not (request.stream or background):
+            raise invalid(f"Request '{request_id}' was not streamed; nothing to resume.", "X-Request-Id", "not_a_stream")
+        await resume.attach(self.redis, request_id)
+        deltas = tail(self.redis, request_id, deadline=request.created + self.settings.request_timeout + 30)
+        detached = background or surface.background(orjson.loads(request.raw_body) if request.raw_body else {})
+        return self.stream(http, request, surface, deltas=deltas, skip=after, detached=detached)
 
     async def delete_response(self, http: HttpRequest) -> Response:
         response_id = _route_value(http, "response_id")
@@ -204,16 +251,22 @@ class Api:
 
     async def generate(self, http: HttpRequest, surface: Surface) -> Response:
         """The one flow every protocol shares: parse → session (the protocol's own state) → prepare → publish → answer."""
+        point = resume.resume_point(http)
+        if point is not None:
+            return await self.resume(http, surface, *point)
         body = await self.read_json(http)
         request, store = await surface.session(self.redis, self.settings, body, surface.parse(body, request_id=new_id(), created=time.time()))
         request = self.prepare(request, body)
         parts = fan_out(request)
         await self.charge(http, parts)
         await self.publish(parts)
+        background = surface.background(body)
+        if background and not request.stream:
+            self._follow(self.deltas(request, http), request, store)
+            return json_response(responses_store.body_of(request, []))
         if request.stream:
-            encoder = surface.stream_encoder(request)
             deltas = self.deltas(request, http) if store is None else _recording(self.deltas(request, http), partial(store, request))
-            return self.stream(http, request, encoder, ping=surface.ping(encoder), deltas=deltas)
+            return self.stream(http, request, surface, deltas=deltas, detached=background)
         collected = await asyncio.gather(*(self.collect(http, part) for part in parts))
         accs = []
         for part, deltas_of_part in zip(parts, collected, strict=True):
@@ -253,6 +306,10 @@ async def _no_session(_redis: Redis, _settings: Settings, _body: Any, request: R
     return request, None
 
 
+async def _nothing() -> None:
+    return None
+
+
 def _no_ping(_: Any) -> Callable[[], list[Frame]]:
     return lambda: []
 
@@ -271,6 +328,7 @@ class Surface:
     ping: Callable[[Any], Callable[[], list[Frame]]] = _no_ping
     combine: Callable[[Request, list[Any]], dict[str, Any]] = lambda _request, accs: accs[0].body()
     session: Callable[[Redis, Settings, Any, Request], Awaitable[tuple[Request, Saver | None]]] = _no_session
+    background: Callable[[Any], bool] = lambda _body: False  # answered at once, generated detached from the client
 
 
 CHAT = Surface(
@@ -296,6 +354,7 @@ RESPONSES = Surface(
     stream_encoder=response_enc.ResponsesStreamEncoder,
     accumulator=response_enc.ResponseAccumulator,
     session=responses_store.begin,
+    background=lambda body: isinstance(body, dict) and openai_responses.background_flag(body),
 )
 SURFACES = (CHAT, MESSAGES, RESPONSES)
 
@@ -410,6 +469,7 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     app.router.add_post("/v1/messages/count_tokens", guarded(api, Protocol.ANTHROPIC_MESSAGES, api.count_tokens))
     app.router.add_get("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, api.get_response))
     app.router.add_delete("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, api.delete_response))
+    app.router.add_post("/v1/responses/:response_id/cancel", guarded(api, Protocol.OPENAI_RESPONSES, api.cancel_response))
 
     lines = BatchLines(api, {s.protocol: s for s in SURFACES})
     _add_batch_routes(app, api, lines)

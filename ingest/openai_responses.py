@@ -46,7 +46,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         params = replace(params, logprobs=True, top_logprobs=top)
     if body.get("max_output_tokens") is not None:
         params = replace(params, max_tokens=f.integer(body["max_output_tokens"], "max_output_tokens", lo=1, hi=f.MAX_TOKENS_CAP))
-    store_flag(body)
+    background_flag(body)
     raw_tools = f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS)
     tools = tuple(spec for i, t in enumerate(raw_tools) if (spec := _tool(t, f"tools[{i}]")) is not None)
     tool_choice = _tool_choice(body.get("tool_choice"))
@@ -75,6 +75,14 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
 def store_flag(body: dict[str, Any]) -> bool:
     """`store` (default true): whether the app keeps the response for a later `previous_response_id`."""
     return f.boolean(body["store"], "store") if body.get("store") is not None else True
+
+
+def background_flag(body: dict[str, Any]) -> bool:
+    """`background: true`: answered at once with a queued response, polled, cancelled or streamed later by id."""
+    background = f.boolean(body["background"], "background") if body.get("background") is not None else False
+    if background and not store_flag(body):
+        raise invalid("Background responses need 'store' (they are fetched later by id).", "background", "invalid_value")
+    return background
 
 
 def previous_response_id(body: dict[str, Any]) -> str | None:

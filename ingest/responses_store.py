@@ -2,11 +2,16 @@
 GET / DELETE /v1/responses/{id} serve. One JSON document per response, with a TTL.
 
 The stored conversation is the request's messages (without its `instructions`, which OpenAI does not
-carry over) plus the assistant turn the deltas produced.
+carry over) plus the assistant turn the deltas produced. A response with no document yet (running in
+the background, or its API node died before saving it) is rebuilt from its recorded request and delta
+stream, the truth the document is made from, until the dump expires; a `store: false` one never is.
+Background responses (`background: true`) are saved by a follower task of the node that accepted them
+and can be cancelled while they run.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -16,9 +21,10 @@ from redis.asyncio import Redis
 
 from encoders.openai_responses import ResponseAccumulator, response_id
 from ingest.openai_responses import previous_response_id, store_flag
+from ingest.publish import cancel
 from shared import keys
-from shared.codec import VERSION, message_from_dict, message_to_dict
-from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart
+from shared.codec import VERSION, decode_delta, decode_request, message_from_dict, message_to_dict
+from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart, is_terminal
 from shared.errors import ApiError
 from shared.ir import Message, Request, Role, TextPart, ToolCall
 from shared.settings import Settings
@@ -48,16 +54,82 @@ async def save(redis: Redis, response_id: str, *, body: dict[str, Any], conversa
 
 
 async def load(redis: Redis, response_id: str, *, param: str | None = None) -> tuple[dict[str, Any], list[Message]]:
+    """The response body and its conversation: the stored document, else rebuilt from the delta stream
+    (a `previous_response_id` must name a finished one)."""
     raw = await redis.get(keys.stored_response(response_id))
-    if raw is None:
-        raise ApiError(f"Response with id '{response_id}' not found.", status=404, param=param, kind="not_found", code="response_not_found")
-    doc = orjson.loads(raw)
-    return doc["body"], [message_from_dict(m) for m in doc["conversation"]]
+    if raw is not None:
+        doc = orjson.loads(raw)
+        return doc["body"], [message_from_dict(m) for m in doc["conversation"]]
+    recorded = await live(redis, response_id)
+    if recorded is None:
+        raise _not_found(response_id, param)
+    request, deltas = recorded
+    if param is not None and not (deltas and is_terminal(deltas[-1])):
+        raise ApiError(f"Response '{response_id}' is still in progress.", status=400, param=param, kind="invalid_request_error", code="response_in_progress")
+    return body_of(request, deltas), _conversation(request, deltas)
+
+
+async def live(redis: Redis, response_id: str) -> tuple[Request, list[StreamDelta]] | None:
+    """A stored response's recorded request and its deltas so far; None if unknown, expired or `store: false`."""
+    rid = response_id.removeprefix("resp_")
+    raw = await redis.get(keys.request_ir(rid))
+    if raw is None or rid == response_id:
+        return None
+    request = decode_request(raw)
+    body = orjson.loads(request.raw_body) if request.raw_body else {}
+    if request.protocol.value != "openai_responses" or not store_flag(body if isinstance(body, dict) else {}):
+        return None
+    entries: Any = await redis.xrange(keys.delta_stream(rid))
+    return request, [decode_delta(fields[b"d"]) for _id, fields in entries if b"d" in fields]
+
+
+def body_of(request: Request, deltas: list[StreamDelta]) -> dict[str, Any]:
+    """The Response object these deltas amount to; `queued` before any delta of a background response."""
+    acc = ResponseAccumulator(request)
+    for delta in deltas:
+        acc.feed(delta)
+    body = acc.body()
+    if not deltas and body["background"]:
+        body["status"] = "queued"
+    return body
+
+
+async def cancel_background(redis: Redis, response_id: str, *, wait_s: float = 10.0) -> dict[str, Any]:
+    """Cancel a running background response and return it once ended (or as it stands after `wait_s`)."""
+    recorded = await live(redis, response_id)
+    if recorded is None:
+        raise _not_found(response_id, None)
+    request, deltas = recorded
+    if not body_of(request, []).get("background"):
+        raise ApiError("Only responses created with background=true can be cancelled.", status=400, kind="invalid_request_error", code="not_background")
+    if not (deltas and is_terminal(deltas[-1])):
+        await cancel(redis, request.id)
+        end = asyncio.get_running_loop().time() + wait_s
+        while asyncio.get_running_loop().time() < end and not (deltas and is_terminal(deltas[-1])):
+            await asyncio.sleep(0.1)
+            again = await live(redis, response_id)
+            deltas = again[1] if again is not None else deltas
+    return body_of(request, deltas)
+
+
+def _conversation(request: Request, deltas: list[StreamDelta]) -> list[Message]:
+    """As `begin` saves it: without this request's `instructions` (the last system message with its text)."""
+    body = orjson.loads(request.raw_body) if request.raw_body else {}
+    instructions = body.get("instructions") if isinstance(body, dict) else None
+    messages = list(request.messages)
+    at = [i for i, m in enumerate(messages) if instructions is not None and m.role is Role.SYSTEM and m.text == instructions]
+    if at:
+        del messages[at[-1]]
+    return [*messages, assistant_turn(deltas)]
+
+
+def _not_found(response_id: str, param: str | None) -> ApiError:
+    return ApiError(f"Response with id '{response_id}' not found.", status=404, param=param, kind="not_found", code="response_not_found")
 
 
 async def delete(redis: Redis, response_id: str) -> None:
     if not await redis.delete(keys.stored_response(response_id)):
-        raise ApiError(f"Response with id '{response_id}' not found.", status=404, kind="not_found", code="response_not_found")
+        raise _not_found(response_id, None)
 
 
 async def begin(redis: Redis, settings: Settings, body: Any, parsed: Request) -> tuple[Request, Saver | None]:

@@ -90,6 +90,13 @@ def request_keys(request_id: str) -> tuple[str, ...]:
     return (delta_stream(request_id), request_meta(request_id), request_ir(request_id), cancel_flag(request_id))
 
 
+def attachments(request_id: str) -> str:
+    """Counter of resumed connections to the request's stream (ingest.resume), with its own TTL. Writer:
+    the API node a client reconnects to. Reader: the API node whose client left, when its resume grace
+    ends: a count that moved means the client came back elsewhere, so the generation is not cancelled."""
+    return f"{_tag(request_id)}:attach"
+
+
 def cancel_flag(request_id: str) -> str:
     """Present once the request is cancelled; its value says by whom (CLIENT_CANCEL, OPERATOR_CANCEL).
     Writers: ingest.app on a client disconnect, `met top` (cli/top_snapshot.py). Reader: workers.loop."""

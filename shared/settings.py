@@ -39,6 +39,7 @@ class Settings:
     prefix_cache: bool = True  # reuse the KV blocks of identical prompt prefixes (`--no-prefix-cache`)
     max_queue: int = 256  # accepted-but-unfinished requests beyond which admission refuses
     request_timeout: float = 600.0  # seconds from acceptance to a timeout finish
+    resume_grace_s: float = 3.0  # seconds a disconnected stream keeps generating for the client to resume it
     ping_interval: float = 10.0  # seconds of stream silence before a keep-alive ping
     heartbeat_interval: float = 1.0
     heartbeat_ttl: float = 10.0  # a worker silent this long is dead

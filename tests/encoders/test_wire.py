@@ -90,3 +90,35 @@ def test_no_terminal_event_before_the_deadline_yields_a_timeout_error(redis_serv
 
     out = asyncio.run(scenario())
     assert out[-1].kind.value == "timeout_error"  # type: ignore[attr-defined]
+
+
+def test_every_encoder_frame_has_its_position_as_id_and_a_resumed_stream_sends_exactly_the_rest(redis_server: str) -> None:
+    req = request(Protocol.ANTHROPIC_MESSAGES, id=f"resume-{time.monotonic_ns()}")
+
+    async def record() -> None:
+        redis = Redis.from_url(redis_server)
+        for delta in SCENARIOS["reasoning_then_text"]:
+            await redis.xadd(keys.delta_stream(req.id), {"d": encode_delta(delta)})
+        await redis.aclose()
+
+    async def scenario(skip: int) -> list[bytes]:
+        redis = Redis.from_url(redis_server)
+
+        async def here() -> bool:
+            return False
+
+        async def abandon() -> None:
+            return None
+
+        link = ClientLink(is_disconnected=here, on_abandon=abandon)
+        deltas = tail(redis, req.id, deadline=time.time() + 30, block_ms=100)
+        encoder = MessagesStreamEncoder(req)
+        out = [e async for e in sse_events(deltas, encoder, ping=lambda: [encoder.ping()], ping_interval=10, client=link, skip=skip)]
+        await redis.aclose()
+        return [(e.id or "").encode() + b"|" + e.data.encode() for e in out]
+
+    asyncio.run(record())
+    whole = asyncio.run(scenario(-1))
+    assert [line.split(b"|")[0] for line in whole] == [str(i).encode() for i in range(len(whole))]
+    for after in (0, 4, len(whole) - 2):
+        assert asyncio.run(scenario(after)) == whole[after + 1 :]

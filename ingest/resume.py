@@ -1,0 +1,86 @@
+"""Resumable streams: a client reconnects to a stream it lost, on any API node, and gets the rest.
+
+Owns: reading the resume point (`X-Request-Id` with `Last-Event-ID` on the generation routes; Responses'
+`GET /v1/responses/{id}?stream=true&starting_after=N` uses the same machinery), loading the recorded
+request IR, counting attachments, and the resume grace: a stream whose client vanished is cancelled
+only after `--resume-grace-s`, and not at all if the client came back meanwhile (through any node).
+The frames themselves come from re-encoding the delta stream from its start (encoders.wire `skip`).
+Must not: encode frames or parse protocol bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from blacksheep import Request as HttpRequest
+from redis.asyncio import Redis
+
+from ingest.publish import cancel
+from shared import keys
+from shared.codec import decode_request
+from shared.errors import ApiError, invalid
+from shared.ir import Protocol, Request
+
+ATTACH_TTL = 3600
+_pending: set[asyncio.Task[None]] = set()  # grace timers in flight (a reference keeps each alive)
+
+
+def resume_point(http: HttpRequest) -> tuple[str, int] | None:
+    """(request id, last event id seen) when the client asks to resume, else None."""
+    last = http.get_first_header(b"Last-Event-ID")
+    if last is None:
+        return None
+    rid = http.get_first_header(b"X-Request-Id")
+    if rid is None:
+        raise invalid("Resuming a stream needs the 'X-Request-Id' header of the original response with 'Last-Event-ID'.", "X-Request-Id", "missing_request_id")
+    return rid.decode(errors="replace"), event_position(last.decode(errors="replace"), "Last-Event-ID")
+
+
+def event_position(value: str, param: str) -> int:
+    try:
+        position = int(value)
+    except ValueError:
+        position = -2
+    if position < -1:
+        raise invalid(f"'{param}' must be the integer id of an event of the stream, got {value!r}.", param, "invalid_value")
+    return position
+
+
+async def load(redis: Redis, request_id: str, protocol: Protocol) -> Request:
+    """The recorded request behind a stream to resume (404 once its dump has expired)."""
+    raw = await redis.get(keys.request_ir(request_id))
+    if raw is None:
+        raise ApiError(f"No stream '{request_id}' to resume: it never existed or finished too long ago.", status=404, kind="not_found", code="stream_not_found")
+    request = decode_request(raw)
+    if request.protocol is not protocol:
+        raise invalid(f"Stream '{request_id}' was not made on this route (it is a {request.protocol.value} request).", "X-Request-Id", "wrong_route")
+    return request
+
+
+async def attach(redis: Redis, request_id: str) -> None:
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.incr(keys.attachments(request_id))
+        pipe.expire(keys.attachments(request_id), ATTACH_TTL)
+        await pipe.execute()
+
+
+def graceful_cancel(redis: Redis, request_id: str, grace_s: float) -> Callable[[], Awaitable[None]]:
+    """The `on_abandon` of a resumable stream: cancel after `grace_s` unless a client re-attached."""
+
+    async def abandon() -> None:
+        if grace_s <= 0:
+            await cancel(redis, request_id)
+            return
+        before = await redis.get(keys.attachments(request_id))
+
+        async def later() -> None:
+            await asyncio.sleep(grace_s)
+            if await redis.get(keys.attachments(request_id)) == before:
+                await cancel(redis, request_id)
+
+        task = asyncio.create_task(later())
+        _pending.add(task)
+        task.add_done_callback(_pending.discard)
+
+    return abandon

@@ -1,0 +1,182 @@
+"""Resumable streams and background Responses, with real processes: one worker and two API nodes on one
+Redis. An API node is SIGKILLed mid-stream and the client reconnects to the other with `Last-Event-ID`
+(and the `X-Request-Id` it got): the text of both halves equals an uninterrupted greedy run, on all
+three protocols. Background Responses through the official SDK: create → poll → a stream replayed from
+`starting_after` equal, byte for byte, to the tail of the whole stream; and cancel."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from cli.embedded_redis import free_port
+
+from ..conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = "List the numbers from 1 to 30, separated by commas."
+MAX_TOKENS = 80
+ROUTES: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS}),
+    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS}),
+    "responses": ("/v1/responses", {"input": PROMPT, "max_output_tokens": MAX_TOKENS}),
+}
+
+
+class Node:
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "api", "--port", str(self.port)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        wait_for(f"api node {self.port}", lambda: _ready(self.base), timeout=180)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory, redis_server: str) -> Iterator[dict[str, str]]:
+    data = tmp_path_factory.mktemp("resume")
+    env = {**os.environ, "REDIS_URL": redis_server, "MET_DATA_DIR": str(data), "HF_HUB_OFFLINE": "1", "MET_DTYPE": "float32"}
+    with open(data / "worker.log", "wb") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "cli.main", "worker"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    env["_LOGS"] = str(data)
+    yield env
+    worker.terminate()
+    worker.wait(60)
+
+
+@pytest.fixture(scope="module")
+def steady(env: dict[str, str]) -> Iterator[Node]:
+    """The API node that stays up (the one clients reconnect to)."""
+    node = Node(env, Path(env["_LOGS"]) / "steady.log")
+    yield node
+    node.stop()
+
+
+def wait_for(what: str, check: Callable[[], object], timeout: float = 60.0) -> object:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if value := check():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def sse(lines: Iterator[str]) -> Iterator[tuple[str | None, dict[str, Any] | str]]:
+    """(id, data) per event of an SSE body; pings and comments skipped."""
+    event_id, data = None, None
+    for line in lines:
+        if line.startswith("id:"):
+            event_id = line[3:].strip()
+        elif line.startswith("data:"):
+            data = line[5:].strip()
+        elif line == "" and data is not None:
+            yield event_id, (data if data == "[DONE]" else orjson.loads(data))
+            event_id, data = None, None
+
+
+def text_of(route: str, payload: dict[str, Any] | str) -> str:
+    if not isinstance(payload, dict):
+        return ""
+    if route == "chat":
+        return "".join(c["delta"].get("content") or "" for c in payload.get("choices", []))
+    if route == "messages":
+        delta = payload.get("delta", {})
+        return delta.get("text", "") if payload.get("type") == "content_block_delta" else ""
+    return payload.get("delta", "") if payload.get("type") == "response.output_text.delta" else ""
+
+
+def body_for(route: str) -> tuple[str, dict[str, Any]]:
+    path, extra = ROUTES[route]
+    return path, {"model": "m", "temperature": 0, "stream": True, **extra}
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_a_stream_survives_its_api_node_being_killed_by_reconnecting_to_another_with_last_event_id(route: str, env: dict[str, str], steady: Node) -> None:
+    path, body = body_for(route)
+    with httpx.stream("POST", steady.base + path, json=body, timeout=120) as whole:
+        reference = "".join(text_of(route, data) for _id, data in sse(whole.iter_lines()))
+    assert len(reference) > 20
+
+    doomed = Node(env, Path(env["_LOGS"]) / f"doomed-{route}.log")
+    first, last_id = "", None
+    try:
+        with httpx.stream("POST", doomed.base + path, json=body, timeout=120) as cut:
+            rid = cut.headers["x-request-id"]
+            for event_id, data in sse(cut.iter_lines()):
+                first += text_of(route, data)
+                last_id = event_id
+                if len(first) >= 8:
+                    doomed.proc.send_signal(signal.SIGKILL)
+                    break
+    except httpx.HTTPError:
+        pass
+    doomed.proc.wait(10)
+    assert last_id is not None and first and first != reference
+
+    headers = {"X-Request-Id": rid, "Last-Event-ID": last_id}
+    with httpx.stream("POST", steady.base + path, json=body, headers=headers, timeout=120) as rest:
+        assert rest.status_code == 200
+        events = list(sse(rest.iter_lines()))
+    assert events and int(events[0][0] or -1) == int(last_id) + 1  # the very next event
+    assert first + "".join(text_of(route, data) for _id, data in events) == reference
+
+
+def test_a_resume_of_an_unknown_stream_is_a_404_in_the_protocol_shape(steady: Node) -> None:
+    path, body = body_for("messages")
+    reply = httpx.post(steady.base + path, json=body, headers={"X-Request-Id": "nope", "Last-Event-ID": "3"}, timeout=30)
+    assert reply.status_code == 404 and reply.json()["type"] == "error"
+    bad = httpx.post(steady.base + path, json=body, headers={"X-Request-Id": "nope", "Last-Event-ID": "x"}, timeout=30)
+    assert bad.status_code == 400 and "Last-Event-ID" in bad.json()["error"]["message"]
+
+
+def test_background_responses_poll_replay_from_starting_after_byte_for_byte_and_cancel(steady: Node) -> None:
+    with openai.OpenAI(base_url=f"{steady.base}/v1", api_key="x", max_retries=0, timeout=120) as client:
+        made = client.responses.create(model="m", input=PROMPT, max_output_tokens=MAX_TOKENS, temperature=0, background=True)
+        assert made.status in ("queued", "in_progress") and made.background
+        done = wait_for("the background response", lambda: (r := client.responses.retrieve(made.id)).status not in ("queued", "in_progress") and r, timeout=120)
+        assert done.status in ("completed", "incomplete") and done.output_text  # type: ignore[attr-defined]
+
+        def raw(after: int) -> bytes:
+            with httpx.stream("GET", f"{steady.base}/v1/responses/{made.id}", params={"stream": "true", "starting_after": after}, timeout=60) as reply:
+                return reply.read()
+
+        whole = raw(-1)
+        cut = whole.split(b"\n\n")
+        tail = raw(4)
+        assert tail == b"\n\n".join(cut[5:]) and tail.startswith(b"id: 5\n")
+        with client.responses.retrieve(made.id, stream=True, starting_after=2) as stream:
+            numbers = [event.sequence_number for event in stream]
+        assert numbers[0] == 3 and numbers == list(range(3, 3 + len(numbers)))
+
+        long = client.responses.create(model="m", input="Write a very long story.", max_output_tokens=3000, background=True, extra_body={"ignore_eos": True})
+        wait_for("the long response to start", lambda: client.responses.retrieve(long.id).status == "in_progress", timeout=60)
+        cancelled = client.responses.cancel(long.id)
+        assert cancelled.status == "cancelled"
+        assert client.responses.retrieve(long.id).status == "cancelled"
+        foreground = client.responses.create(model="m", input=PROMPT, max_output_tokens=4)
+        with pytest.raises(openai.BadRequestError):
+            client.responses.cancel(foreground.id)  # only background responses can be cancelled
