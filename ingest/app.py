@@ -246,7 +246,7 @@ class Api:
 
     async def delete_response(self, http: HttpRequest) -> Response:
         response_id = _route_value(http, "response_id")
-        await responses_store.delete(self.redis, response_id)
+        await responses_store.delete(self.redis, response_id, ttl=self.settings.response_ttl)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def generate(self, http: HttpRequest, surface: Surface) -> Response:
@@ -483,12 +483,22 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     dispatcher = BatchDispatcher(api.redis, settings, lines, node_id=f"{socket.gethostname()}-{os.getpid()}-{new_id()[:6]}")
     tasks: list[asyncio.Task[None]] = []
 
+    async def load_seal() -> None:
+        """The deployment's reasoning seal; retried while Redis is down (sealed reasoning sent back before
+        then is dropped from prompts, as any that does not open)."""
+        while api.sealer is None:
+            try:
+                api.sealer = await load_sealer(api.redis, keys.SEAL_KEY)
+            except RedisError:
+                await asyncio.sleep(1.0)
+
     async def start(_: Application) -> None:
-        api.sealer = await load_sealer(api.redis, keys.SEAL_KEY)
+        tasks.append(asyncio.create_task(load_seal()))
         tasks.append(asyncio.create_task(dispatcher.run(stop_dispatch)))
 
     async def close(_: Application) -> None:
         stop_dispatch.set()
+        tasks[0].cancel()  # the seal loader, if Redis never came up
         await asyncio.gather(*tasks, return_exceptions=True)
         await api.redis.aclose()
 

@@ -46,6 +46,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         params = replace(params, logprobs=True, top_logprobs=top)
     if body.get("max_output_tokens") is not None:
         params = replace(params, max_tokens=f.integer(body["max_output_tokens"], "max_output_tokens", lo=1, hi=f.MAX_TOKENS_CAP))
+    store_flag(body)
     background_flag(body)
     raw_tools = f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS)
     tools = tuple(spec for i, t in enumerate(raw_tools) if (spec := _tool(t, f"tools[{i}]")) is not None)

@@ -29,6 +29,7 @@ from shared.errors import ApiError
 from shared.ir import Message, Request, Role, TextPart, ToolCall
 from shared.settings import Settings
 
+DELETED = b"deleted"  # the tombstone a DELETE leaves in place of the document
 Saver = Callable[[Request, list[StreamDelta]], Awaitable[None]]  # (the request as queued, its deltas)
 
 
@@ -57,6 +58,8 @@ async def load(redis: Redis, response_id: str, *, param: str | None = None) -> t
     """The response body and its conversation: the stored document, else rebuilt from the delta stream
     (a `previous_response_id` must name a finished one)."""
     raw = await redis.get(keys.stored_response(response_id))
+    if raw == DELETED:
+        raise _not_found(response_id, param)
     if raw is not None:
         doc = orjson.loads(raw)
         return doc["body"], [message_from_dict(m) for m in doc["conversation"]]
@@ -127,9 +130,12 @@ def _not_found(response_id: str, param: str | None) -> ApiError:
     return ApiError(f"Response with id '{response_id}' not found.", status=404, param=param, kind="not_found", code="response_not_found")
 
 
-async def delete(redis: Redis, response_id: str) -> None:
-    if not await redis.delete(keys.stored_response(response_id)):
+async def delete(redis: Redis, response_id: str, *, ttl: int) -> None:
+    """Forget a response: a tombstone replaces its document, so it is not rebuilt from its deltas either."""
+    raw = await redis.get(keys.stored_response(response_id))
+    if raw == DELETED or (raw is None and await live(redis, response_id) is None):
         raise _not_found(response_id, None)
+    await redis.set(keys.stored_response(response_id), DELETED, ex=ttl)
 
 
 async def begin(redis: Redis, settings: Settings, body: Any, parsed: Request) -> tuple[Request, Saver | None]:
