@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from blacksheep.contents import TextServerSentEvent
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from encoders.frames import Frame
 from shared import keys
@@ -36,16 +37,37 @@ class StreamEncoder(Protocol):
     def finish(self) -> list[Frame]: ...
 
 
-async def tail(redis: Redis, request_id: str, *, deadline: float, block_ms: int = 500) -> AsyncIterator[StreamDelta | None]:
+LOST_REDIS = "This server lost its connection to the request's stream; the generation goes on: resume the stream (Last-Event-ID) or retry."
+
+
+async def tail(
+    redis: Redis, request_id: str, *, deadline: float, block_ms: int = 500, retry_s: float = 30.0
+) -> AsyncIterator[StreamDelta | None]:
     """Yield the request's deltas in order until the terminal one; `None` after each quiet read.
 
     Past `deadline` (unix time) without a terminal event, yield a synthesized timeout Error so no
-    client is left hanging (e.g. no worker is alive to claim the request).
+    client is left hanging (e.g. no worker is alive to claim the request). A Redis error is this API
+    node's, not the request's: the read is retried from the last id read for up to `retry_s`, then one
+    synthesized Error ends the client's stream (the generation is not cancelled; the stream can be
+    resumed once Redis is back).
     """
     key = keys.delta_stream(request_id)
     last = "0-0"
+    failing_since: float | None = None
     while True:
-        reply: Any = await redis.xread({key: last}, count=512, block=block_ms)
+        try:
+            reply: Any = await redis.xread({key: last}, count=512, block=block_ms)
+            failing_since = None
+        except RedisError as exc:
+            now = time.monotonic()
+            failing_since = failing_since or now
+            if now - failing_since > retry_s:
+                log.error("giving up tailing %s after %.0f s of redis errors: %s", request_id, retry_s, type(exc).__name__)
+                yield Error(message=LOST_REDIS, kind=ErrorKind.INTERNAL, attempt=0)
+                return
+            await asyncio.sleep(min(0.5, retry_s / 10))
+            yield None  # keep-alive pings continue while Redis is away
+            continue
         if not reply:
             if time.time() > deadline:
                 yield Error(message="The request timed out before a worker finished it.", kind=ErrorKind.TIMEOUT, attempt=0)

@@ -11,10 +11,12 @@ Must not: encode frames or parse protocol bodies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 
 from blacksheep import Request as HttpRequest
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from ingest.publish import cancel
 from shared import keys
@@ -69,15 +71,19 @@ def graceful_cancel(redis: Redis, request_id: str, grace_s: float) -> Callable[[
     """The `on_abandon` of a resumable stream: cancel after `grace_s` unless a client re-attached."""
 
     async def abandon() -> None:
+        try:
+            before = await redis.get(keys.attachments(request_id))
+        except RedisError:
+            return  # Redis is away: the generation goes on (a resume, or the worker's deadline, ends it)
         if grace_s <= 0:
             await cancel(redis, request_id)
             return
-        before = await redis.get(keys.attachments(request_id))
 
         async def later() -> None:
             await asyncio.sleep(grace_s)
-            if await redis.get(keys.attachments(request_id)) == before:
-                await cancel(redis, request_id)
+            with contextlib.suppress(RedisError):
+                if await redis.get(keys.attachments(request_id)) == before:
+                    await cancel(redis, request_id)
 
         task = asyncio.create_task(later())
         _pending.add(task)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
+import orjson
 from redis.asyncio import Redis
 
+from cli.embedded_redis import EmbeddedRedis
 from encoders.anthropic_messages import MessagesStreamEncoder
 from encoders.openai_chat import ChatStreamEncoder
-from encoders.wire import ClientLink, sse_events, tail
+from encoders.wire import LOST_REDIS, ClientLink, sse_events, tail
 from shared import keys
 from shared.codec import encode_delta
 from shared.ir import Protocol
@@ -122,3 +125,52 @@ def test_every_encoder_frame_has_its_position_as_id_and_a_resumed_stream_sends_e
     assert [line.split(b"|")[0] for line in whole] == [str(i).encode() for i in range(len(whole))]
     for after in (0, 4, len(whole) - 2):
         assert asyncio.run(scenario(after)) == whole[after + 1 :]
+
+
+def test_a_redis_restart_mid_tail_is_ridden_out_and_a_long_outage_ends_the_stream_with_one_error_and_no_cancel(tmp_path: Path) -> None:
+    server = EmbeddedRedis(str(tmp_path))
+    url = server.start()
+    deltas = SCENARIOS["plain_text"]
+
+    async def scenario(outage_s: float, retry_s: float) -> tuple[list[str], list[bool]]:
+        redis = Redis.from_url(url)
+        req = request(Protocol.OPENAI_CHAT, id=f"blip-{time.monotonic_ns()}", stream=True)
+        await redis.xadd(keys.delta_stream(req.id), {"d": encode_delta(deltas[0])})
+        abandoned: list[bool] = []
+
+        async def here() -> bool:
+            return False
+
+        async def abandon() -> None:
+            abandoned.append(True)
+
+        async def restart() -> None:
+            await asyncio.sleep(0.5)
+            assert server.proc is not None
+            server.proc.kill()  # kill -9; AOF keeps what was written
+            server.proc.wait()
+            await asyncio.sleep(outage_s)
+            await asyncio.to_thread(server.start)
+            writer = Redis.from_url(url)
+            for delta in deltas[1:]:
+                await writer.xadd(keys.delta_stream(req.id), {"d": encode_delta(delta)})
+            await writer.aclose()
+
+        blip = asyncio.create_task(restart())
+        stream = tail(redis, req.id, deadline=time.time() + 60, block_ms=100, retry_s=retry_s)
+        link = ClientLink(is_disconnected=here, on_abandon=abandon)
+        events = [e.data async for e in sse_events(stream, ChatStreamEncoder(req), ping=lambda: [], ping_interval=10, client=link) if e.data]
+        await blip
+        await redis.aclose()
+        return events, abandoned
+
+    try:
+        events, abandoned = asyncio.run(scenario(outage_s=2.0, retry_s=20.0))
+        assert events[-1] == "[DONE]" and not abandoned
+        text = "".join(orjson.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1] if orjson.loads(e)["choices"])
+        assert text == "Hello, world"  # every delta, none twice
+        events, abandoned = asyncio.run(scenario(outage_s=4.0, retry_s=1.0))
+        assert [orjson.loads(e)["error"]["message"] for e in events if e.startswith('{"error"')] == [LOST_REDIS]
+        assert events[-1] == "[DONE]" and not abandoned  # one error in the protocol's shape; the generation is not cancelled
+    finally:
+        server.stop()
