@@ -12,12 +12,14 @@ and can be cancelled while they run.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
 import orjson
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from encoders.openai_responses import ResponseAccumulator, response_id
 from ingest.openai_responses import previous_response_id, store_flag
@@ -29,6 +31,7 @@ from shared.errors import ApiError
 from shared.ir import Message, Request, Role, TextPart, ToolCall
 from shared.settings import Settings
 
+log = logging.getLogger(__name__)
 DELETED = b"deleted"  # the tombstone a DELETE leaves in place of the document
 Saver = Callable[[Request, list[StreamDelta]], Awaitable[None]]  # (the request as queued, its deltas)
 
@@ -158,6 +161,9 @@ async def begin(redis: Redis, settings: Settings, body: Any, parsed: Request) ->
             acc.feed(delta)
         if acc.error is None:
             conversation = [m for m in final.messages if m is not instructions] + [assistant_turn(deltas)]
-            await save(redis, response_id(final), body=acc.body(), conversation=conversation, ttl=settings.response_ttl)
+            try:
+                await save(redis, response_id(final), body=acc.body(), conversation=conversation, ttl=settings.response_ttl)
+            except RedisError as exc:  # the client still gets its terminal event; GET rebuilds it from the deltas
+                log.error("could not store response %s: %s", response_id(final), type(exc).__name__)
 
     return request, save_deltas

@@ -57,3 +57,37 @@ async def test_store_false_keeps_nothing_and_an_unknown_previous_id_is_a_404_nam
     with pytest.raises(ApiError) as err:
         await responses_store.begin(redis, SETTINGS, missing, parsed(missing, "r4"))
     assert err.value.status == 404 and err.value.param == "previous_response_id"
+
+
+async def test_a_failed_save_does_not_raise_so_the_client_still_gets_its_terminal_event() -> None:
+    from cli.embedded_redis import free_port
+
+    gone = Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    body = {"model": "m", "input": "Hi"}
+    request, save = await responses_store.begin(gone, SETTINGS, body, parsed(body, "r5"))
+    assert save is not None
+    await save(request, [Content(text="Hello."), Finish(reason=FinishReason.STOP, usage=Usage())])
+    await gone.aclose()
+
+
+async def test_a_response_without_its_document_is_rebuilt_from_its_deltas_and_a_delete_stays_deleted(redis: Redis) -> None:
+    from dataclasses import replace
+
+    from ingest.publish import submit
+    from shared import keys
+    from shared.codec import encode_delta
+
+    body = {"model": "m", "input": "Hi", "instructions": "Be terse."}
+    request = replace(parsed(body, "r6"), raw_body='{"model":"m","input":"Hi","instructions":"Be terse."}')
+    await submit(redis, request)
+    running, _ = await responses_store.load(redis, "resp_r6")
+    assert running["status"] == "in_progress" and running["output"] == []
+    for delta in (Content(text="Hello."), Finish(reason=FinishReason.STOP, usage=Usage(completion_tokens=2))):
+        await redis.xadd(keys.delta_stream("r6"), {"d": encode_delta(delta)})
+    done, conversation = await responses_store.load(redis, "resp_r6", param="previous_response_id")
+    assert done["status"] == "completed" and done["output"][0]["content"][0]["text"] == "Hello."
+    assert [(m.role, m.text) for m in conversation] == [(Role.USER, "Hi"), (Role.ASSISTANT, "Hello.")]
+    await responses_store.delete(redis, "resp_r6", ttl=60)
+    with pytest.raises(ApiError) as err:
+        await responses_store.load(redis, "resp_r6")
+    assert err.value.status == 404
