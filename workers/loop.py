@@ -146,12 +146,15 @@ class WorkerLoop:
             log.error("dropping unreadable request entry %s: %s", claimed.entry_id, exc)
             await self.redis.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, claimed.entry_id)
             return
+        recorded = await self.recorded_deltas(request.id)
+        terminal = next((d for d in recorded if is_terminal(d)), None)
+        if terminal is not None:  # an earlier attempt finished it and died before its ack: finish the books only
+            outcome = await self.redis.hget(keys.request_meta(request.id), "outcome")
+            self.held[request.id] = Held(claimed.entry_id, 0)
+            await self._forget(request.id, ack=True, outcome=outcome.decode() if outcome else _outcome(terminal))
+            return
         attempt = await leases.begin_attempt(self.redis, request.id, worker=self.worker_id, deliveries=claimed.deliveries)
         self.held[request.id] = Held(claimed.entry_id, attempt)
-        recorded = await self.recorded_deltas(request.id)
-        if any(is_terminal(d) for d in recorded):
-            await self._forget(request.id, ack=True)  # an earlier attempt finished it; only the ack was lost
-            return
         if claimed.deliveries > self.settings.max_deliveries:
             await self.dead_letter(request, claimed)
             return

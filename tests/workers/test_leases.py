@@ -124,3 +124,32 @@ def test_a_dead_worker_leaves_the_alive_set_once_its_requests_are_reclaimed(redi
         assert "dead-idle" not in consumers and "dead-holding" not in consumers
 
     run(redis_server, body)
+
+
+def test_reclaiming_a_request_whose_terminal_was_written_only_settles_its_books(redis_server: str) -> None:
+    from shared.settings import Settings
+    from workers.engine import Engine
+    from workers.loop import WorkerLoop
+
+    from .fakes import INFO, ByteTokenizer, ScriptedRunner
+
+    async def body(redis: Redis) -> None:
+        request = make_request(f"settled-{time.monotonic_ns()}")
+        await redis.set(keys.INFLIGHT, 1)
+        await submit(redis, request)
+        [claimed] = await leases.claim_new(redis, "died-before-ack", count=1, block_ms=None)
+        attempt = await leases.begin_attempt(redis, request.id, worker="died-before-ack", deliveries=claimed.deliveries)
+        done = Finish(reason=FinishReason.STOP, usage=Usage(completion_tokens=1), attempt=attempt)
+        assert await fenced(redis, request.id, attempt, Content(text="a", attempt=attempt), done, outcome="stop") == 1
+        finished_before = await redis.xlen(keys.FINISHED)
+        engine = Engine(ScriptedRunner(lambda _seq: "x"), ByteTokenizer(), INFO, settings=Settings())
+        loop = WorkerLoop(redis, engine, settings=Settings(lease_s=0.0), worker_id="survivor", info={})
+        await loop.reclaim()
+        meta = await redis.hgetall(keys.request_meta(request.id))
+        assert (meta[b"status"], meta[b"attempt"], meta[b"worker"]) == (b"finished", str(attempt).encode(), b"died-before-ack")
+        assert int(await redis.get(keys.INFLIGHT) or 0) == 0
+        assert await redis.xlen(keys.FINISHED) == finished_before + 1
+        pending: Any = await redis.xpending(keys.REQUEST_STREAM, keys.WORKER_GROUP)
+        assert pending["pending"] == 0 and not engine.active_ids()
+
+    run(redis_server, body)
