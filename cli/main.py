@@ -48,7 +48,9 @@ ApiKeys = Annotated[
 ]
 ToolParser = Annotated[
     str | None,
-    typer.Option(help="Tool-call syntax parsed from model output: auto (our hermes-style format), hermes, or none (no parsing, no tool grammar)."),
+    typer.Option(
+        help="Tool-call syntax parsed from model output and forced by tool_choice grammars: auto (picked from the chat template), hermes, llama3, mistral, or none (no parsing, no tool grammar)."
+    ),
 ]
 ApiKeysFile = Annotated[str | None, typer.Option(help="A file of API keys, one per line (# comments).")]
 RateLimitRpm = Annotated[int | None, typer.Option(help="Requests per minute per API key (0: unlimited); shared by every API node.")]
@@ -90,8 +92,10 @@ def _settings(**overrides: object) -> Settings:
 
 
 def _check_tool_parser(settings: Settings) -> None:
-    if settings.tool_parser not in ("auto", "hermes", "none"):
-        raise typer.BadParameter(f"{settings.tool_parser!r}: choose auto, hermes or none", param_hint="--tool-parser")
+    from models.tool_formats import SETTINGS
+
+    if settings.tool_parser not in SETTINGS:
+        raise typer.BadParameter(f"{settings.tool_parser!r}: choose one of {', '.join(SETTINGS)}", param_hint="--tool-parser")
 
 
 @app.command()

@@ -29,6 +29,8 @@ from shared.ir import Constraint, ConstraintKind, Request
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
+    from models.tool_formats import ToolFormat
+
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 CACHE_SIZE = 64  # distinct grammars kept compiled per worker (a pristine matcher each)
 
@@ -103,14 +105,15 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else message
 
 
-def grammar_for(request: Request, *, tools: bool = True) -> str | None:
+def grammar_for(request: Request, tool_format: ToolFormat | None) -> str | None:
     """The grammar a request's output must match, or None when it is free text. A structured-output
-    constraint wins over tools; `tools=False` (`--tool-parser none`) leaves tool calls unconstrained."""
+    constraint wins over tools; tool calls are constrained in `tool_format`'s syntax (None, i.e.
+    `--tool-parser none`: left unconstrained)."""
     from models.tools import tool_grammar
 
     if request.constraint is not None:
         return constraint_grammar(request.constraint)
-    return tool_grammar(request) if tools else None
+    return tool_grammar(request, tool_format) if tool_format is not None else None
 
 
 def grammar_param(request: Request) -> str:

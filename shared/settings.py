@@ -55,7 +55,7 @@ class Settings:
     rate_limit_period: float = 60.0  # seconds in which an empty bucket refills to rpm / tpm (tests shorten it)
     max_body_bytes: int = 32 * 2**20
     max_json_depth: int = 64
-    tool_parser: str = "auto"  # tool-call syntax parsed from model output: auto (from the template) | hermes | none
+    tool_parser: str = "auto"  # tool-call syntax parsed from model output: auto (from the template) | hermes | llama3 | mistral | none
     response_ttl: int = 30 * 86400  # seconds a stored Responses-API response is kept (store=true)
     max_file_mb: int = 200  # largest file POST /v1/files accepts
     batch_max_lines: int = 50_000  # most requests one batch may hold

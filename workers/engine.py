@@ -22,14 +22,16 @@ from typing import Any, Protocol
 
 from models.grammar import Grammars, grammar_for
 from models.prompt import ModelInfo
+from models.tool_formats import for_request, select
 from models.tools import calls_enabled
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, StreamDelta, TokenLogprob, Usage, is_terminal
 from shared.ir import Request, resolve
 from shared.settings import Settings
 from workers.blocks import BlockPool
-from workers.detok import IncrementalDetokenizer, StopMatcher
+from workers.detok import IncrementalDetokenizer, StopMatcher, marker_ids
 from workers.scheduler import Sampled, Scheduler, Sequence, StepPlan
-from workers.tools import HermesParser
+from workers.tool_parsers import ToolParser
+from workers.tools import make_parser
 
 
 class Runner(Protocol):
@@ -64,7 +66,7 @@ class _TextState:
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     max_tokens: int = 0
-    tools: HermesParser | None = None  # the tool-call parser, when the request may call tools
+    tools: ToolParser | None = None  # the tool-call parser, when the request may call tools
 
 
 @dataclass
@@ -89,7 +91,9 @@ class Engine:
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self.grammars: Grammars | None = None  # built on the first constrained request (tokenizer-bound)
-        self.tool_parser = settings.tool_parser
+        self.tool_format = select(getattr(tokenizer, "chat_template", None), settings.tool_parser)
+        markers = self.tool_format.markers if self.tool_format is not None else ()
+        self._keep = marker_ids(tokenizer, markers)  # special tokens the tool parser must see as text
 
     def add(self, request: Request, *, attempt: int = 1, resume: tuple[int, ...] = ()) -> list[Emission]:
         """Queue a request. `resume` holds the tokens an earlier attempt already emitted: they are
@@ -104,9 +108,11 @@ class Engine:
         max_tokens = min(request.sampling.max_tokens or budget, budget)
         seq = Sequence(request=request, prompt=list(request.prompt_token_ids), attempt=attempt, output=list(resume))
         seq.context = seq.prompt + seq.output
-        state = _TextState(IncrementalDetokenizer(self.tokenizer), StopMatcher(request.sampling.stop), max_tokens=max_tokens)
-        if calls_enabled(request) and self.tool_parser != "none":
-            state.tools = HermesParser(f"call_{request.id}")
+        calls = calls_enabled(request) and self.tool_format is not None
+        detok = IncrementalDetokenizer(self.tokenizer, self._keep if calls else frozenset())
+        state = _TextState(detok, StopMatcher(request.sampling.stop), max_tokens=max_tokens)
+        if calls and self.tool_format is not None:
+            state.tools = make_parser(for_request(self.tool_format, request), f"call_{request.id}")
         for token in resume:
             replayed = state.detok.push(token)  # the text of these tokens was delivered by the earlier attempt
             if state.tools is not None:
@@ -127,7 +133,7 @@ class Engine:
 
     def _attach_grammar(self, seq: Sequence, resume: tuple[int, ...]) -> Error | None:
         """Give a constrained sequence its matcher, replayed over `resume`; an Error if that fails."""
-        grammar = grammar_for(seq.request, tools=self.tool_parser != "none")
+        grammar = grammar_for(seq.request, self.tool_format)
         if grammar is None:
             return None
         if self.grammars is None:

@@ -7,7 +7,20 @@ import pytest
 
 from shared.codec import CodecError, decode_delta, decode_request, encode_delta, encode_request
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, TokenLogprob, Usage
-from shared.ir import Constraint, ConstraintKind, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolKind, ToolSpec
+from shared.ir import (
+    Constraint,
+    ConstraintKind,
+    ImagePart,
+    Message,
+    Protocol,
+    Request,
+    Role,
+    SamplingParams,
+    TextPart,
+    ToolCall,
+    ToolKind,
+    ToolSpec,
+)
 
 from ..encoders.recorded import SCENARIOS
 
