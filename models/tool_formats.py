@@ -89,7 +89,8 @@ def _hermes_calls(tools: tuple[ToolSpec, ...], several: bool) -> Rules:
     for i, t in enumerate(tools):
         if t.kind is ToolKind.FUNCTION:
             closed.append(f"f{i}")
-            rules.append(f"f{i}: %json {json.dumps(_call_schema(t, ('name', 'arguments')))} {_lit(HERMES_CLOSE)}")
+            head = _lit(json.dumps({"name": t.name})[:-1] + ', "arguments": ')  # a literal head, as custom calls have: one lexer decides
+            rules.append(f"f{i}: {head} %json {json.dumps(_args_schema(t))} {_lit('}' + HERMES_CLOSE)}")
             continue
         head = _lit(json.dumps({"name": t.name}) + "\n")
         if t.input_format is None:
@@ -176,6 +177,12 @@ def _sub_grammar(tool: ToolSpec) -> str:
         spec = json.loads(LLMatcher.grammar_from_regex(tool.input_format.text))
         return str(spec["grammars"][0]["lark_grammar"])
     return tool.input_format.text
+
+
+def _args_schema(tool: ToolSpec) -> dict[str, Any]:
+    """The tool's parameters schema as the root (its refs resolve as written), compact."""
+    params = json.loads(tool.parameters_json) or {"type": "object"}
+    return {**params, "x-guidance": {"whitespace_flexible": False}}
 
 
 def _call_schema(tool: ToolSpec, keys: tuple[str, str]) -> dict[str, Any]:

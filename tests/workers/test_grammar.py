@@ -187,7 +187,7 @@ def test_rows_without_a_matcher_do_no_mask_work(tokenizer: Any, info: ModelInfo)
     assert processed[1].isfinite().nonzero().flatten().tolist() == [tokenizer.convert_tokens_to_ids("7")]
 
 
-CALL_TEXT = 'Checking.<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>'
+CALL_TEXT = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city":"Paris"}}</tool_call>'
 
 
 class ScriptRunner:
