@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -105,15 +106,21 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else message
 
 
-def grammar_for(request: Request, tool_format: ToolFormat | None) -> str | None:
+def grammar_for(request: Request, tool_format: ToolFormat | None, special: Mapping[str, int] | None = None) -> str | None:
     """The grammar a request's output must match, or None when it is free text. A structured-output
     constraint wins over tools; tool calls are constrained in `tool_format`'s syntax (None, i.e.
-    `--tool-parser none`: left unconstrained)."""
+    `--tool-parser none`: left unconstrained; `special`: its markers that are special tokens here)."""
     from models.tools import tool_grammar
 
     if request.constraint is not None:
         return constraint_grammar(request.constraint)
-    return tool_grammar(request, tool_format) if tool_format is not None else None
+    return tool_grammar(request, tool_format, special) if tool_format is not None else None
+
+
+def special_markers(hf_tokenizer: Any, markers: tuple[str, ...]) -> dict[str, int]:
+    """Those `markers` this tokenizer has as special tokens, with their ids (the others are plain text)."""
+    decoder = getattr(hf_tokenizer, "added_tokens_decoder", None) or {}
+    return {str(t.content): int(i) for i, t in decoder.items() if getattr(t, "special", False) and str(t.content) in markers}
 
 
 def grammar_param(request: Request) -> str:

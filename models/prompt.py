@@ -46,10 +46,11 @@ class PromptRenderer:
         """Raise `ApiError` naming the parameter when the request's grammar does not compile for this
         tokenizer: each custom tool's input grammar first (its own `param`), then the whole grammar in the
         syntax of the worker's tool parser (`--tool-parser`, chosen from this template as the worker does)."""
-        from models.grammar import Grammars, grammar_for, grammar_param
+        from models.grammar import Grammars, grammar_for, grammar_param, special_markers
         from models.tool_formats import select
 
-        grammar = grammar_for(request, select(self.tokenizer.chat_template, tool_parser))
+        fmt = select(self.tokenizer.chat_template, tool_parser)
+        grammar = grammar_for(request, fmt, special_markers(self.tokenizer, fmt.markers) if fmt else None)
         inputs = [t.input_format for t in request.tools if t.input_format is not None]
         if grammar is None and not inputs:
             return

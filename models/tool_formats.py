@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,13 +147,19 @@ def for_request(fmt: ToolFormat, request: Request) -> ToolFormat:
     return HERMES if any(t.kind is ToolKind.CUSTOM for t in request.tools) else fmt
 
 
-def grammar(fmt: ToolFormat, request: Request, tools: tuple[ToolSpec, ...]) -> str:
-    """The llguidance grammar (Lark text, or a JSON grammar list when custom tools need sub-grammars)."""
+def grammar(fmt: ToolFormat, request: Request, tools: tuple[ToolSpec, ...], special: Mapping[str, int]) -> str:
+    """The llguidance grammar (Lark text, or a JSON grammar list when custom tools need sub-grammars).
+    `special`: the marker texts this tokenizer has as special tokens, with their ids; an opening that is
+    one is written as that token (`<[id]>`), as the model would write it."""
     choice = request.tool_choice or "auto"
     named = choice.startswith("function:")
     expr, rules, subs = fmt.calls(tools, request.parallel_tool_calls and not named)
+    token = special.get(fmt.opening) if fmt.opening else None
     if choice == "required" or named:
-        start = [f"start: {_lit(fmt.opening) + ' ' if fmt.opening else ''}{expr}"]
+        opening = f"<[{token}]>" if token is not None else _lit(fmt.opening) if fmt.opening else ""
+        start = [f"start: {opening} {expr}".replace("  ", " ")]
+    elif token is not None:  # free text cannot contain a special token: it ends where the token comes
+        start = [f"start: TEXT | TEXT? <[{token}]> {expr}", "TEXT: /(.|\\n)+/"]
     elif fmt.opening:
         start = [
             f"start: TEXT | prefix {expr}",

@@ -26,6 +26,7 @@ Must not: know any protocol's field names.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from models.tool_formats import HERMES_CLOSE, HERMES_OPEN, ToolFormat, for_request, grammar
@@ -91,8 +92,9 @@ def call_text(name: str, arguments: Any, *, custom: bool = False) -> str:
     return OPEN + json.dumps({"name": name, "arguments": arguments}) + CLOSE
 
 
-def tool_grammar(request: Request, fmt: ToolFormat) -> str | None:
-    """The grammar enforcing the request's tool_choice in `fmt`'s syntax, or None when calls are off."""
+def tool_grammar(request: Request, fmt: ToolFormat, special: Mapping[str, int] | None = None) -> str | None:
+    """The grammar enforcing the request's tool_choice in `fmt`'s syntax, or None when calls are off
+    (`special`: the family's markers that are special tokens of this tokenizer, see `tool_formats.grammar`)."""
     if not calls_enabled(request):
         return None
-    return grammar(for_request(fmt, request), request, allowed_tools(request))
+    return grammar(for_request(fmt, request), request, allowed_tools(request), special or {})

@@ -52,13 +52,6 @@ def _special_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(ids | set(getattr(tokenizer, "all_special_ids", ()) or ()))
 
 
-def marker_ids(tokenizer: Any, markers: tuple[str, ...]) -> frozenset[int]:
-    """The ids of those `markers` this tokenizer has as special tokens (the others are plain text anyway)."""
-    special = _special_ids(tokenizer)
-    vocab = tokenizer.get_vocab() if markers and hasattr(tokenizer, "get_vocab") else {}
-    return frozenset(vocab[m] for m in markers if m in vocab and vocab[m] in special)
-
-
 class StopMatcher:
     """Finds stop strings in streamed text; never emits a stop string or text after it.
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from models.grammar import Grammars, grammar_for
+from models.grammar import Grammars, grammar_for, special_markers
 from models.prompt import ModelInfo
 from models.tool_formats import for_request, select
 from models.tools import calls_enabled
@@ -28,7 +28,7 @@ from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, Strea
 from shared.ir import Request, resolve
 from shared.settings import Settings
 from workers.blocks import BlockPool
-from workers.detok import IncrementalDetokenizer, StopMatcher, marker_ids
+from workers.detok import IncrementalDetokenizer, StopMatcher
 from workers.scheduler import Sampled, Scheduler, Sequence, StepPlan
 from workers.tool_parsers import ToolParser
 from workers.tools import make_parser
@@ -93,7 +93,8 @@ class Engine:
         self.grammars: Grammars | None = None  # built on the first constrained request (tokenizer-bound)
         self.tool_format = select(getattr(tokenizer, "chat_template", None), settings.tool_parser)
         markers = self.tool_format.markers if self.tool_format is not None else ()
-        self._keep = marker_ids(tokenizer, markers)  # special tokens the tool parser must see as text
+        self._special = special_markers(tokenizer, markers)  # the family's markers that are special tokens here
+        self._keep = frozenset(self._special.values())  # ... which the tool parser must see as text
 
     def add(self, request: Request, *, attempt: int = 1, resume: tuple[int, ...] = ()) -> list[Emission]:
         """Queue a request. `resume` holds the tokens an earlier attempt already emitted: they are
@@ -133,7 +134,7 @@ class Engine:
 
     def _attach_grammar(self, seq: Sequence, resume: tuple[int, ...]) -> Error | None:
         """Give a constrained sequence its matcher, replayed over `resume`; an Error if that fails."""
-        grammar = grammar_for(seq.request, self.tool_format)
+        grammar = grammar_for(seq.request, self.tool_format, self._special)
         if grammar is None:
             return None
         if self.grammars is None:

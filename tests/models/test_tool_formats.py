@@ -126,7 +126,7 @@ def test_a_custom_tool_input_is_constrained_by_its_regex_or_lark_grammar(lltok: 
     for tool, good, bad in ((email, "ab@cd.com", "AB@cd.org"), (sum_tool, "1 + 22 + 333", "1 +")):
         grammar = tool_grammar(ask(tool, WEATHER, choice=f"function:{tool.name}"), LLAMA3)  # a custom tool → hermes syntax
         assert grammar is not None
-        head = '<tool_call>{"name": "%s"}\n' % tool.name
+        head = "<tool_call>" + json.dumps({"name": tool.name}) + "\n"
         assert accepts(lltok, tokenizer, grammar, head + good) and not accepts(lltok, tokenizer, grammar, head + bad)
         assert parsed(for_request(LLAMA3, ask(tool)), head + good) == [(tool.name, good)]
 

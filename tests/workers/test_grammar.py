@@ -232,3 +232,39 @@ def test_a_tool_call_resumed_mid_arguments_continues_the_same_call(tokenizer: An
     assert not any(isinstance(d, ToolCallStart) for d in rest)  # the call was already opened by attempt 1
     args = "".join(d.arguments for d in [*delivered, *rest] if isinstance(d, ToolCallArgs))
     assert args == '{"city":"Paris"}' and rest[-1].reason is FinishReason.TOOL_CALLS
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "hermes"])
+def test_a_required_call_from_a_noise_model_is_a_parsed_call_in_each_family(family: str, tiny: LlamaForCausalLM, tokenizer: Any, info: ModelInfo) -> None:
+    from shared.deltas import ToolCallArgs, ToolCallStart
+
+    runner = TorchRunner(tiny, max_len=256, kv_budget_mb=16, device=torch.device("cpu"), dtype=torch.float32)
+    runner.eos_ids = info.eos_token_ids
+    engine = Engine(runner, tokenizer, info, settings=Settings(tool_parser=family, max_tokens_per_step=256))
+    from shared.ir import ToolSpec
+
+    bounded = ToolSpec(name="get_weather", parameters_json=json.dumps({"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"], "additionalProperties": False}))
+    request = replace(tool_request(), tools=(bounded,), tool_choice="required", parallel_tool_calls=False, sampling=SamplingParams(temperature=0.0, max_tokens=64))
+    out = drain(engine, engine.add(request))["t"]
+    assert out[-1].reason is FinishReason.TOOL_CALLS and text_of(out) == ""
+    [start] = [d for d in out if isinstance(d, ToolCallStart)]
+    assert start.name == "get_weather"
+    assert json.loads("".join(d.arguments for d in out if isinstance(d, ToolCallArgs)))["city"] in ("Paris", "Rome")
+
+
+def test_a_family_marker_that_is_a_special_token_reaches_the_parser(info: ModelInfo) -> None:
+    from shared.deltas import ToolCallArgs, ToolCallStart
+
+    settings = Settings.from_env(os.environ)
+    _, folder = local_folder(settings.model, settings.model_cache)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    marker = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    tokens = [marker, *tok.encode('[{"name":"get_weather","arguments":{"city":"Paris"}}]')]  # as the grammar writes it (compact)
+    engine = Engine(ScriptRunner(tokens, info.eos_token_ids[0]), tok, info, settings=Settings(tool_parser="mistral"))
+    out = drain(engine, engine.add(replace(tool_request(), tool_choice="auto")))["t"]
+    assert [d.name for d in out if isinstance(d, ToolCallStart)] == ["get_weather"]
+    assert "".join(d.arguments for d in out if isinstance(d, ToolCallArgs)) == '{"city":"Paris"}' and text_of(out) == ""
+    plain = Engine(ScriptRunner(tokens, info.eos_token_ids[0]), tok, info, settings=Settings(tool_parser="mistral"))
+    free = drain(plain, plain.add(replace(ask("t"), sampling=SamplingParams(temperature=0.0, max_tokens=64))))["t"]
+    assert "[TOOL_CALLS]" not in text_of(free)  # without tools, special tokens stay out of the text
