@@ -20,14 +20,15 @@ from shared import keys
 from shared.codec import VERSION, message_from_dict, message_to_dict
 from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart
 from shared.errors import ApiError
-from shared.ir import Message, Request, Role, TextPart, ToolCall
+from shared.ir import Message, Request, Role, TextPart, ToolCall, ToolKind, custom_tools
 from shared.settings import Settings
 
 Saver = Callable[[Request, list[StreamDelta]], Awaitable[None]]  # (the request as queued, its deltas)
 
 
-def assistant_turn(deltas: list[StreamDelta]) -> Message:
-    """The assistant message a delta stream amounts to (text and tool calls)."""
+def assistant_turn(deltas: list[StreamDelta], custom: frozenset[str] = frozenset()) -> Message:
+    """The assistant message a delta stream amounts to (text and tool calls; a call to a tool named in
+    `custom` is a custom tool's call, its arguments the raw input)."""
     text = "".join(d.text for d in deltas if isinstance(d, Content))
     calls: dict[int, list[str]] = {}
     for d in deltas:
@@ -38,7 +39,9 @@ def assistant_turn(deltas: list[StreamDelta]) -> Message:
     return Message(
         role=Role.ASSISTANT,
         content=(TextPart(text=text),) if text else (),
-        tool_calls=tuple(ToolCall(id=c[0], name=c[1], arguments=c[2]) for _, c in sorted(calls.items())),
+        tool_calls=tuple(
+            ToolCall(id=c[0], name=c[1], arguments=c[2], kind=ToolKind.CUSTOM if c[1] in custom else ToolKind.FUNCTION) for _, c in sorted(calls.items())
+        ),
     )
 
 
@@ -79,7 +82,7 @@ async def begin(redis: Redis, settings: Settings, body: Any, parsed: Request) ->
         for delta in deltas:
             acc.feed(delta)
         if acc.error is None:
-            conversation = [m for m in final.messages if m is not instructions] + [assistant_turn(deltas)]
+            conversation = [m for m in final.messages if m is not instructions] + [assistant_turn(deltas, custom_tools(final))]
             await save(redis, response_id(final), body=acc.body(), conversation=conversation, ttl=settings.response_ttl)
 
     return request, save_deltas

@@ -195,3 +195,8 @@ class Request:
     prompt_token_ids: tuple[int, ...] = ()
     endpoint: str = ""
     raw_body: str = ""
+
+
+def custom_tools(request: Request) -> frozenset[str]:
+    """The names of the request's custom tools: a call to one carries raw input, not JSON arguments."""
+    return frozenset(t.name for t in request.tools if t.kind is ToolKind.CUSTOM)
