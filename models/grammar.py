@@ -67,6 +67,7 @@ class Grammars:
         self.cache_size = cache_size
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
         self.compiles = 0
+        self.hits = 0  # matchers served from the cache (no compile)
 
     @classmethod
     def for_model(cls, hf_tokenizer: Any, eos_ids: tuple[int, ...]) -> Grammars:
@@ -94,6 +95,7 @@ class Grammars:
             while len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
         else:
+            self.hits += 1
             self._compiled.move_to_end(grammar)
         return pristine.deep_copy()
 

@@ -264,6 +264,7 @@ class WorkerLoop:
     async def heartbeat(self) -> None:
         stats = self.engine.stats
         sched = self.engine.scheduler
+        grammars = self.engine.grammars
         prefill_tps, decode_tps = self._rates(time.monotonic())
         figures: dict[Any, Any] = {
             **self.info,
@@ -283,6 +284,9 @@ class WorkerLoop:
             "step_ms": round(stats.last_step_s * 1000, 2),
             "mask_ms_total": round(getattr(self.engine.runner, "mask_s", 0.0) * 1000, 3),  # grammar masks (constrained rows only)
             "masked_steps": getattr(self.engine.runner, "masked_steps", 0),
+            "masked_rows": getattr(self.engine.runner, "masked_rows", 0),
+            "grammar_compiles": grammars.compiles if grammars is not None else 0,
+            "grammar_cache_hits": grammars.hits if grammars is not None else 0,
             "prefill_tps": round(prefill_tps, 1),
             "decode_tps": round(decode_tps, 1),
             "kv_used_tokens": sched.pool.num_used * sched.pool.block_size,
