@@ -19,7 +19,10 @@ custom tool always uses hermes (`for_request`): the other families have no raw-i
 
 Grammar shape (llguidance Lark, arguments as `%json` of each tool's schema, compact JSON):
 `required` = the whole output is calls (several when parallel calls are allowed and no tool is named);
-`auto` = free text that never spells the family's opening, or text then calls. A custom tool with a
+`auto` = free text that never spells the family's opening, or text then calls. An opening the
+tokenizer has as a special token (a real Mistral's `[TOOL_CALLS]`) is written as that token
+(`<[id]>`), the way the model writes it. Hermes call heads are literals (`{"name": "x", "arguments": `)
+and only the arguments are `%json`, so function and custom calls share one lexer. A custom tool with a
 lark / regex format gets its input from a named sub-grammar (`@input<i>`); since llguidance lexemes are
 greedy, such an input cannot be followed by a closing tag it might itself contain, so that call ends the
 output (no closing tag, the parser takes the input to the end). A free-text custom input ends at the
@@ -109,7 +112,7 @@ def _hermes_calls(tools: tuple[ToolSpec, ...], several: bool) -> Rules:
     return ("seq" if several else "one"), rules, subs
 
 
-HERMES = ToolFormat("hermes", (), HERMES_OPEN, _hermes_calls)
+HERMES = ToolFormat("hermes", (HERMES_OPEN, HERMES_CLOSE), HERMES_OPEN, _hermes_calls)
 LLAMA3 = ToolFormat("llama3", (PYTHON_TAG,), "", _llama3_calls)
 MISTRAL = ToolFormat("mistral", (TOOL_CALLS, ARGS), TOOL_CALLS, _mistral_calls)
 FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL)}
