@@ -49,7 +49,9 @@ ApiKeys = Annotated[
 ]
 ToolParser = Annotated[
     str | None,
-    typer.Option(help="Tool-call syntax parsed from model output: auto (our hermes-style format), hermes, or none (no parsing, no tool grammar)."),
+    typer.Option(
+        help="Tool-call syntax parsed from model output and forced by tool_choice grammars: auto (picked from the chat template), hermes, llama3, mistral, or none (no parsing, no tool grammar)."
+    ),
 ]
 ReasoningParser = Annotated[
     str | None,
@@ -97,9 +99,10 @@ def _settings(**overrides: object) -> Settings:
 
 def _check_tool_parser(settings: Settings) -> None:
     from models.reasoning import PARSERS
+    from models.tool_formats import SETTINGS
 
-    if settings.tool_parser not in ("auto", "hermes", "none"):
-        raise typer.BadParameter(f"{settings.tool_parser!r}: choose auto, hermes or none", param_hint="--tool-parser")
+    if settings.tool_parser not in SETTINGS:
+        raise typer.BadParameter(f"{settings.tool_parser!r}: choose one of {', '.join(SETTINGS)}", param_hint="--tool-parser")
     if settings.reasoning_parser not in PARSERS:
         raise typer.BadParameter(f"{settings.reasoning_parser!r}: choose {', '.join(PARSERS)}", param_hint="--reasoning-parser")
 

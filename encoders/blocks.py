@@ -12,7 +12,9 @@ call 1), and may write text after a call has started; nothing of it may be dropp
   are held until they become live.
 - The live block closes when a later block exists and it is complete: a text-like block is complete as
   soon as something follows it; a tool block once its arguments form a whole JSON value (so a call's
-  late fragment is never cut off). At the end (`finish`) every block closes, in order.
+  late fragment is never cut off), or, for a tool named in `raw` (custom tools: raw input, not JSON), as
+  soon as something follows it (workers emit a raw input whole before the next call). At the end
+  (`finish`) every block closes, in order.
 
 Encoders turn the resulting `Op`s into their own events; the stream and the final body are built from
 the same ops, so they agree. Pure; hand-written because it is this protocol rule and nothing more.
@@ -46,11 +48,14 @@ class _Block:
     group: str
     pieces: list[StreamDelta] = field(default_factory=list)
     arguments: list[str] = field(default_factory=list)  # tool blocks: argument fragments so far
+    raw: bool = False  # a custom tool's call: its arguments are raw text, complete once something follows
     streamed: int = 0  # pieces already handed out as ops
     opened: bool = False
     closed: bool = False
 
     def args_complete(self) -> bool:
+        if self.raw:
+            return True
         try:
             orjson.loads("".join(self.arguments))
         except orjson.JSONDecodeError:
@@ -59,7 +64,8 @@ class _Block:
 
 
 class BlockSequencer:
-    def __init__(self) -> None:
+    def __init__(self, raw: frozenset[str] = frozenset()) -> None:
+        self._raw = raw  # tool names whose arguments are raw text
         self._blocks: list[_Block] = []
         self._tools: dict[int, int] = {}  # ToolCallStart.index → block index
         self._live = 0  # index of the first block not closed
@@ -68,7 +74,7 @@ class BlockSequencer:
         """Place one non-terminal delta (`group`: the block kind it belongs to; TOOL for tool deltas)."""
         if isinstance(delta, ToolCallStart):
             self._tools[delta.index] = len(self._blocks)
-            self._blocks.append(_Block(TOOL, [delta]))
+            self._blocks.append(_Block(TOOL, [delta], raw=delta.name in self._raw))
         elif isinstance(delta, ToolCallArgs):
             index = self._tools.get(delta.index)
             if index is None or not delta.arguments:

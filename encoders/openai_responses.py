@@ -8,7 +8,9 @@ construction. Every event has `type` and a `sequence_number` from 0 (the stream 
 and ids derived from the request id and index (`msg_…`, `fc_…`, `rs_…`); each item is added → parts and
 deltas → every `.done` → `output_item.done`, one item open at a time (Reasoning → a reasoning item with
 `reasoning_text` parts, Content → `output_text`, Refusal → a `refusal` part, a tool call → a
-`function_call` item). Exactly one terminal event: `response.completed`, `response.incomplete` (also for
+`function_call` item, or, when the called name is one of the request's custom tools, a `custom_tool_call`
+item whose `input` is the raw text the call's ToolCallArgs carry, streamed as
+`response.custom_tool_call_input.delta` / `.done`). Exactly one terminal event: `response.completed`, `response.incomplete` (also for
 CANCELLED, which has no stream event of its own; the status says `cancelled`), or for an Error an `error`
 event then `response.failed`. Its `response.output` equals the streamed items. Arguments for a tool call
 that is no longer the open item are dropped (workers emit each call's arguments before the next call).
@@ -37,9 +39,10 @@ from shared.deltas import (
     ToolCallStart,
     Usage,
 )
-from shared.ir import Request
+from shared.ir import Request, ToolKind, ToolSpec, custom_tools
 
-ITEM_PREFIX = {"message": "msg", "function_call": "fc", "reasoning": "rs"}
+ITEM_PREFIX = {"message": "msg", "function_call": "fc", "custom_tool_call": "ctc", "reasoning": "rs"}
+CALL_FIELD = {"function_call": ("arguments", "response.function_call_arguments"), "custom_tool_call": ("input", "response.custom_tool_call_input")}
 PART_TEXT_KEY = {"output_text": "text", "refusal": "refusal", "reasoning_text": "text"}
 PART_EVENT = {"output_text": "response.output_text", "refusal": "response.refusal", "reasoning_text": "response.reasoning_text"}
 ERROR_CODES = {ErrorKind.INVALID_REQUEST: "invalid_prompt"}  # everything else: server_error
@@ -77,10 +80,20 @@ def _echo(request: Request) -> dict[str, Any]:
     }
 
 
-def _tool_choice(choice: str | None) -> Any:
+def _tool_choice(request: Request) -> Any:
+    choice = request.tool_choice
     if choice and choice.startswith("function:"):
-        return {"type": "function", "name": choice.removeprefix("function:")}
+        name = choice.removeprefix("function:")
+        return {"type": "custom" if name in custom_tools(request) else "function", "name": name}
     return choice or "auto"
+
+
+def _tool_json(tool: ToolSpec) -> dict[str, Any]:
+    if tool.kind is ToolKind.CUSTOM:
+        fmt = tool.input_format
+        grammar = {"type": "grammar", "syntax": fmt.kind.value, "definition": fmt.text} if fmt is not None else {"type": "text"}
+        return {"type": "custom", "name": tool.name, "description": tool.description or None, "format": grammar}
+    return {"type": "function", "name": tool.name, "description": tool.description or None, "parameters": orjson.loads(tool.parameters_json), "strict": None}
 
 
 class _ResponseState:
@@ -95,7 +108,8 @@ class _ResponseState:
         self.error: Error | None = None
         self._echo = _echo(request)
         self._open: int | None = None  # output index of the open item
-        self._sequencer = BlockSequencer()  # one item open at a time, interleaved tool calls in order
+        self._custom = custom_tools(request)
+        self._sequencer = BlockSequencer(raw=self._custom)  # one item open at a time, interleaved tool calls in order
         self._started = False
         self._pending_ids: list[int] = []
 
@@ -126,12 +140,14 @@ class _ResponseState:
             if op.kind == "close":
                 events += self._close(last_status if op.index == len(self.items) - 1 else "completed")
             elif isinstance(delta, ToolCallStart):
-                events += self._add({"type": "function_call", "status": "in_progress", "arguments": "", "call_id": delta.id, "name": delta.name})
+                kind = "custom_tool_call" if delta.name in self._custom else "function_call"
+                events += self._add({"type": kind, "status": "in_progress", CALL_FIELD[kind][0]: "", "call_id": delta.id, "name": delta.name})
             elif isinstance(delta, ToolCallArgs):
                 index = self._open
                 assert index is not None
-                self.items[index]["arguments"] += delta.arguments
-                events.append(self._ids({"type": "response.function_call_arguments.delta", **self._where(index), "delta": delta.arguments}))
+                key, event = CALL_FIELD[self.items[index]["type"]]
+                self.items[index][key] += delta.arguments
+                events.append(self._ids({"type": f"{event}.delta", **self._where(index), "delta": delta.arguments}))
             else:
                 if op.kind == "open":
                     fields: dict[str, Any] = {"role": "assistant", "content": []}
@@ -204,17 +220,8 @@ class _ResponseState:
             "store": self._echo["store"],
             "temperature": s.temperature,
             "text": self._echo["text"],
-            "tool_choice": _tool_choice(r.tool_choice),
-            "tools": [
-                {
-                    "type": "function",
-                    "name": t.name,
-                    "description": t.description or None,
-                    "parameters": orjson.loads(t.parameters_json),
-                    "strict": None,
-                }
-                for t in r.tools
-            ],
+            "tool_choice": _tool_choice(r),
+            "tools": [_tool_json(t) for t in r.tools],
             "top_p": s.top_p,
             "truncation": "disabled",
             "usage": terminal.get("usage"),
@@ -282,8 +289,9 @@ class _ResponseState:
             return []
         index, self._open = self._open, None
         item = self.items[index]
-        if item["type"] == "function_call":
-            events = [{"type": "response.function_call_arguments.done", **self._where(index), "arguments": item["arguments"]}]
+        if item["type"] in CALL_FIELD:
+            key, event = CALL_FIELD[item["type"]]
+            events = [{"type": f"{event}.done", **self._where(index), key: item[key]}]
         else:
             events = self._close_summary(index) + self._close_part(index)
         item["status"] = status

@@ -88,7 +88,7 @@ class Api:
         """Render the prompt, check it against the context, and attach token ids and the raw body."""
         if not self.renderer.info.vision and any(isinstance(p, ImagePart) for m in request.messages for p in m.content):
             raise invalid(f"The model {self.model_name} does not accept images.", "messages", "image_not_supported")
-        self.renderer.check_constraint(request)
+        self.renderer.check_constraint(request, tool_parser=self.settings.tool_parser)
         request = open_reasoning(request, self.sealer)
         prompt = self.renderer.render(request)
         limit = self.renderer.info.max_model_len

@@ -9,8 +9,9 @@ Owns: one `CollectorRegistry` per app (never the global default registry), holdi
   KV-cache usage (blocks in use / pool) and prefix-cache queries / hits (prompt tokens looked up /
   found cached; counters of each live worker's life, so a worker that leaves takes its share with it:
   Prometheus' `rate()` treats that as a counter reset) summed over live workers' heartbeat hashes,
-  live worker count, accepted-but-
-  unfinished requests, dead letters. The async read happens in `render()`, just before the
+  constrained decoding (seconds spent on grammar masks, steps and rows masked, grammars compiled,
+  matchers served from the compiled-grammar cache; counters of each worker's life as above),
+  live worker count, accepted-but-unfinished requests, dead letters. The async read happens in `render()`, just before the
   synchronous collect, so a scrape always shows Redis as it is now.
 Must not: change what a client receives (observing is pass-through), or hold request payloads.
 """
@@ -53,11 +54,28 @@ class ClusterFigures:
     kv_total_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    mask_ms_total: int = 0
+    masked_steps: int = 0
+    masked_rows: int = 0
+    grammar_compiles: int = 0
+    grammar_cache_hits: int = 0
     inflight: int = 0
     dead_letters: int = 0
 
 
-_WORKER_FIELDS = ["running", "waiting", "kv_used_tokens", "kv_total_tokens", "prefix_cache_queries", "prefix_cache_hits"]
+_WORKER_FIELDS = [
+    "running",
+    "waiting",
+    "kv_used_tokens",
+    "kv_total_tokens",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "mask_ms_total",
+    "masked_steps",
+    "masked_rows",
+    "grammar_compiles",
+    "grammar_cache_hits",
+]
 
 
 async def read_cluster(redis: Redis, *, heartbeat_ttl: float) -> ClusterFigures:
@@ -81,18 +99,7 @@ async def read_cluster(redis: Redis, *, heartbeat_ttl: float) -> ClusterFigures:
         live += 1
         for i, v in enumerate(values):
             sums[i] += _int(v)
-    return ClusterFigures(
-        redis_up=True,
-        workers=live,
-        running=sums[0],
-        waiting=sums[1],
-        kv_used_tokens=sums[2],
-        kv_total_tokens=sums[3],
-        prefix_cache_queries=sums[4],
-        prefix_cache_hits=sums[5],
-        inflight=max(0, _int(inflight)),
-        dead_letters=int(dead or 0),
-    )
+    return ClusterFigures(redis_up=True, workers=live, inflight=max(0, _int(inflight)), dead_letters=int(dead or 0), **dict(zip(_WORKER_FIELDS, sums, strict=True)))
 
 
 class ClusterCollector(Collector):
@@ -111,6 +118,11 @@ class ClusterCollector(Collector):
         yield _gauge("met_kv_cache_usage_perc", "KV-cache usage over live workers (1 = full): blocks in use / blocks in the pools.", usage)
         yield CounterMetricFamily("met_prefix_cache_queries", "Prompt tokens looked up in the prefix cache, summed over live workers.", value=f.prefix_cache_queries)
         yield CounterMetricFamily("met_prefix_cache_hits", "Prompt tokens found in the prefix cache, summed over live workers.", value=f.prefix_cache_hits)
+        yield CounterMetricFamily("met_grammar_mask_seconds", "Seconds spent filling and applying grammar masks, summed over live workers.", value=f.mask_ms_total / 1000)
+        yield CounterMetricFamily("met_grammar_masked_steps", "Decode steps that masked at least one constrained row, summed over live workers.", value=f.masked_steps)
+        yield CounterMetricFamily("met_grammar_constrained_rows", "Constrained rows masked (one per sequence per step), summed over live workers.", value=f.masked_rows)
+        yield CounterMetricFamily("met_grammar_compiles", "Grammars compiled (compiled-grammar cache misses), summed over live workers.", value=f.grammar_compiles)
+        yield CounterMetricFamily("met_grammar_cache_hits", "Constrained requests served a compiled grammar from the cache, summed over live workers.", value=f.grammar_cache_hits)
         yield _gauge("met_num_requests_inflight", "Accepted requests without a terminal event yet, cluster-wide (what admission limits).", f.inflight)
         yield _gauge("met_dead_letters", "Requests in the dead-letter stream (met:deadletter).", f.dead_letters)
 

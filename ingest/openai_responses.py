@@ -2,8 +2,10 @@
 
 Owns: the mapping of Responses fields onto the IR. `instructions` becomes a leading system message;
 `input` items become messages, with each run of assistant-side items (`reasoning`, assistant `message`,
-`function_call`) merged into one assistant turn, as chat templates expect; `function_call_output`
-becomes a TOOL message. `store` and `previous_response_id` are not IR: read them with `store_flag()`
+`function_call`, `custom_tool_call`) merged into one assistant turn, as chat templates expect;
+`function_call_output` / `custom_tool_call_output` become TOOL messages. Tools: `function` and
+`custom` (free-form input, optionally a Lark / regex `format` grammar) are callable; every other type
+is accepted and ignored. `store` and `previous_response_id` are not IR: read them with `store_flag()`
 and `previous_response_id()` (the app resolves the previous response). Unknown fields are ignored.
 Must not: do I/O, look up stored responses, or render templates.
 """
@@ -18,7 +20,21 @@ from ingest import fields as f
 from ingest.openai_chat import metadata as metadata_pairs
 from ingest.openai_chat import reasoning_effort, sampling
 from shared.errors import invalid
-from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, TextPart, Thinking, ToolCall, ToolSpec
+from shared.ir import (
+    Constraint,
+    ConstraintKind,
+    ContentPart,
+    ImagePart,
+    Message,
+    Protocol,
+    Request,
+    Role,
+    TextPart,
+    Thinking,
+    ToolCall,
+    ToolKind,
+    ToolSpec,
+)
 
 ROLES = {"user": Role.USER, "assistant": Role.ASSISTANT, "system": Role.SYSTEM, "developer": Role.DEVELOPER}
 TEXT_PARTS = ("input_text", "output_text")
@@ -103,17 +119,17 @@ def _input(value: Any) -> list[Message]:
         kind = item.get("type", "message")
         if kind == "message" and item.get("role") == "assistant":
             turn.parts.extend(_content(f.require(item, "content", f"{param}.content"), f"{param}.content"))
-        elif kind == "function_call":
-            turn.calls.append(_function_call(item, param))
+        elif kind in ("function_call", "custom_tool_call"):
+            turn.calls.append(_function_call(item, param) if kind == "function_call" else _custom_tool_call(item, param))
         elif kind == "reasoning" and isinstance(item.get("encrypted_content"), str) and item["encrypted_content"]:
             turn.sealed.append(("", item["encrypted_content"]))  # the sealed text wins over the shown summary
         elif kind == "reasoning":
             turn.reasoning.append(_reasoning(item, param))
-        elif kind in ("message", "function_call_output"):
+        elif kind in ("message", "function_call_output", "custom_tool_call_output"):
             out.extend(turn.flush())
             out.append(_message(item, param) if kind == "message" else _function_call_output(item, param))
         else:
-            supported = "'message', 'function_call', 'function_call_output', 'reasoning'"
+            supported = "'message', 'function_call', 'function_call_output', 'custom_tool_call', 'custom_tool_call_output', 'reasoning'"
             raise invalid(f"Invalid value: {kind!r}. Supported input item types: {supported}.", f"{param}.type", "invalid_value")
     out.extend(turn.flush())
     return out
@@ -187,6 +203,15 @@ def _function_call(item: dict[str, Any], param: str) -> ToolCall:
     )
 
 
+def _custom_tool_call(item: dict[str, Any], param: str) -> ToolCall:
+    return ToolCall(
+        id=f.string(f.require(item, "call_id", f"{param}.call_id"), f"{param}.call_id", allow_empty=False),
+        name=f.string(f.require(item, "name", f"{param}.name"), f"{param}.name", allow_empty=False),
+        arguments=f.string(f.require(item, "input", f"{param}.input"), f"{param}.input"),
+        kind=ToolKind.CUSTOM,
+    )
+
+
 def _function_call_output(item: dict[str, Any], param: str) -> Message:
     call_id = f.string(f.require(item, "call_id", f"{param}.call_id"), f"{param}.call_id", allow_empty=False)
     output = item.get("output")
@@ -222,10 +247,17 @@ def _reasoning(item: dict[str, Any], param: str) -> str:
 
 
 def _tool(value: Any, param: str) -> ToolSpec | None:
-    """A `function` tool; any other type (web_search, file_search, code_interpreter, mcp, computer_use,
-    custom, ...) is one this server cannot run: accepted and ignored (None), as agent clients send mixed arrays."""
+    """A `function` or `custom` tool; any other type (web_search, file_search, code_interpreter, mcp,
+    computer_use, ...) is one this server cannot run: accepted and ignored (None), as agent clients send mixed arrays."""
     t = f.obj(value, param)
     kind = f.string(f.require(t, "type", f"{param}.type"), f"{param}.type")
+    if kind == "custom":
+        return ToolSpec(
+            name=constraints.tool_name(f.require(t, "name", f"{param}.name"), f"{param}.name"),
+            description=f.string(t.get("description") or "", f"{param}.description"),
+            kind=ToolKind.CUSTOM,
+            input_format=_custom_format(t.get("format"), f"{param}.format"),
+        )
     if kind != "function":
         return None
     return ToolSpec(
@@ -233,6 +265,27 @@ def _tool(value: Any, param: str) -> ToolSpec | None:
         description=f.string(t.get("description") or "", f"{param}.description"),
         parameters_json=constraints.tool_parameters(t.get("parameters"), f"{param}.parameters"),
     )
+
+
+GRAMMAR_SYNTAX = {"lark": ConstraintKind.LARK, "regex": ConstraintKind.REGEX}
+
+
+def _custom_format(value: Any, param: str) -> Constraint | None:
+    """A custom tool's `format`: absent or `text` (free text, None) or `grammar` {syntax: lark | regex, definition}.
+    The grammar compiles or not at the app (`PromptRenderer.check_constraint`), named by its `param`."""
+    if value is None:
+        return None
+    fmt = f.obj(value, param)
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind != "grammar":
+        raise invalid(f"Invalid value: {kind!r}. Supported values are: 'text' and 'grammar'.", f"{param}.type", "invalid_value")
+    syntax = fmt.get("syntax")
+    if syntax not in GRAMMAR_SYNTAX:
+        raise invalid(f"Invalid value: {syntax!r}. Supported values are: 'lark' and 'regex'.", f"{param}.syntax", "invalid_value")
+    definition = f.string(f.require(fmt, "definition", f"{param}.definition"), f"{param}.definition", allow_empty=False)
+    return Constraint(kind=GRAMMAR_SYNTAX[syntax], text=definition, param=f"{param}.definition")
 
 
 def _tool_choice(value: Any) -> str | None:
@@ -243,8 +296,8 @@ def _tool_choice(value: Any) -> str | None:
             raise invalid(f"Invalid value: '{value}'. Supported values are: 'auto', 'none', 'required'.", "tool_choice", "invalid_value")
         return value
     choice = f.obj(value, "tool_choice")
-    if choice.get("type") != "function":
+    if choice.get("type") not in ("function", "custom"):  # a named tool of either kind: "function:<name>" in the IR
         raise invalid(
-            f"Invalid value: {choice.get('type')!r}. Supported tool_choice types: 'function'.", "tool_choice.type", "invalid_value"
+            f"Invalid value: {choice.get('type')!r}. Supported tool_choice types: 'function', 'custom'.", "tool_choice.type", "invalid_value"
         )
     return f"function:{f.string(f.require(choice, 'name', 'tool_choice.name'), 'tool_choice.name', allow_empty=False)}"

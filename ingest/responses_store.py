@@ -28,7 +28,7 @@ from shared import keys
 from shared.codec import VERSION, decode_delta, decode_request, message_from_dict, message_to_dict
 from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart, is_terminal
 from shared.errors import ApiError
-from shared.ir import Message, Request, Role, TextPart, ToolCall
+from shared.ir import Message, Request, Role, TextPart, ToolCall, ToolKind, custom_tools
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -36,8 +36,9 @@ DELETED = b"deleted"  # the tombstone a DELETE leaves in place of the document
 Saver = Callable[[Request, list[StreamDelta]], Awaitable[None]]  # (the request as queued, its deltas)
 
 
-def assistant_turn(deltas: list[StreamDelta]) -> Message:
-    """The assistant message a delta stream amounts to (text and tool calls)."""
+def assistant_turn(deltas: list[StreamDelta], custom: frozenset[str] = frozenset()) -> Message:
+    """The assistant message a delta stream amounts to (text and tool calls; a call to a tool named in
+    `custom` is a custom tool's call, its arguments the raw input)."""
     text = "".join(d.text for d in deltas if isinstance(d, Content))
     calls: dict[int, list[str]] = {}
     for d in deltas:
@@ -48,7 +49,9 @@ def assistant_turn(deltas: list[StreamDelta]) -> Message:
     return Message(
         role=Role.ASSISTANT,
         content=(TextPart(text=text),) if text else (),
-        tool_calls=tuple(ToolCall(id=c[0], name=c[1], arguments=c[2]) for _, c in sorted(calls.items())),
+        tool_calls=tuple(
+            ToolCall(id=c[0], name=c[1], arguments=c[2], kind=ToolKind.CUSTOM if c[1] in custom else ToolKind.FUNCTION) for _, c in sorted(calls.items())
+        ),
     )
 
 
@@ -126,7 +129,7 @@ def _conversation(request: Request, deltas: list[StreamDelta]) -> list[Message]:
     at = [i for i, m in enumerate(messages) if instructions is not None and m.role is Role.SYSTEM and m.text == instructions]
     if at:
         del messages[at[-1]]
-    return [*messages, assistant_turn(deltas)]
+    return [*messages, assistant_turn(deltas, custom_tools(request))]
 
 
 def _not_found(response_id: str, param: str | None) -> ApiError:
@@ -160,7 +163,7 @@ async def begin(redis: Redis, settings: Settings, body: Any, parsed: Request) ->
         for delta in deltas:
             acc.feed(delta)
         if acc.error is None:
-            conversation = [m for m in final.messages if m is not instructions] + [assistant_turn(deltas)]
+            conversation = [m for m in final.messages if m is not instructions] + [assistant_turn(deltas, custom_tools(final))]
             try:
                 await save(redis, response_id(final), body=acc.body(), conversation=conversation, ttl=settings.response_ttl)
             except RedisError as exc:  # the client still gets its terminal event; GET rebuilds it from the deltas

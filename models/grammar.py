@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -28,6 +29,8 @@ from shared.ir import Constraint, ConstraintKind, Request
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
+
+    from models.tool_formats import ToolFormat
 
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 CACHE_SIZE = 64  # distinct grammars kept compiled per worker (a pristine matcher each)
@@ -64,6 +67,7 @@ class Grammars:
         self.cache_size = cache_size
         self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
         self.compiles = 0
+        self.hits = 0  # matchers served from the cache (no compile)
 
     @classmethod
     def for_model(cls, hf_tokenizer: Any, eos_ids: tuple[int, ...]) -> Grammars:
@@ -91,6 +95,7 @@ class Grammars:
             while len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
         else:
+            self.hits += 1
             self._compiled.move_to_end(grammar)
         return pristine.deep_copy()
 
@@ -103,14 +108,21 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else message
 
 
-def grammar_for(request: Request, *, tools: bool = True) -> str | None:
+def grammar_for(request: Request, tool_format: ToolFormat | None, special: Mapping[str, int] | None = None) -> str | None:
     """The grammar a request's output must match, or None when it is free text. A structured-output
-    constraint wins over tools; `tools=False` (`--tool-parser none`) leaves tool calls unconstrained."""
+    constraint wins over tools; tool calls are constrained in `tool_format`'s syntax (None, i.e.
+    `--tool-parser none`: left unconstrained; `special`: its markers that are special tokens here)."""
     from models.tools import tool_grammar
 
     if request.constraint is not None:
         return constraint_grammar(request.constraint)
-    return tool_grammar(request) if tools else None
+    return tool_grammar(request, tool_format, special) if tool_format is not None else None
+
+
+def special_markers(hf_tokenizer: Any, markers: tuple[str, ...]) -> dict[str, int]:
+    """Those `markers` this tokenizer has as special tokens, with their ids (the others are plain text)."""
+    decoder = getattr(hf_tokenizer, "added_tokens_decoder", None) or {}
+    return {str(t.content): int(i) for i, t in decoder.items() if getattr(t, "special", False) and str(t.content) in markers}
 
 
 def grammar_param(request: Request) -> str:

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from models.reasoning import takes_enable_thinking
-from models.tools import call_text, calls_enabled, tools_prompt
-from shared.ir import Message, Request, Role, ToolSpec
+from models.tools import call_text, calls_enabled, template_tool, tools_prompt
+from shared.ir import Message, Request, Role, ToolCall, ToolKind, ToolSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,16 +43,24 @@ class PromptRenderer:
         self._specials = _special_pattern(tokenizer)
         self._grammars: Any = None  # models.grammar.Grammars, built on the first constrained request
 
-    def check_constraint(self, request: Request) -> None:
-        """Raise `ApiError` naming the parameter when the request's grammar does not compile for this tokenizer."""
-        from models.grammar import Grammars, grammar_for, grammar_param
+    def check_constraint(self, request: Request, *, tool_parser: str = "auto") -> None:
+        """Raise `ApiError` naming the parameter when the request's grammar does not compile for this
+        tokenizer: each custom tool's input grammar first (its own `param`), then the whole grammar in the
+        syntax of the worker's tool parser (`--tool-parser`, chosen from this template as the worker does)."""
+        from models.grammar import Grammars, grammar_for, grammar_param, special_markers
+        from models.tool_formats import select
 
-        grammar = grammar_for(request)
-        if grammar is None:
+        fmt = select(self.tokenizer.chat_template, tool_parser)
+        grammar = grammar_for(request, fmt, special_markers(self.tokenizer, fmt.markers) if fmt else None)
+        inputs = [t.input_format for t in request.tools if t.input_format is not None]
+        if grammar is None and not inputs:
             return
         if self._grammars is None:
             self._grammars = Grammars.for_model(self.tokenizer, self.info.eos_token_ids)
-        self._grammars.check(grammar, grammar_param(request))
+        for constraint in inputs:
+            self._grammars.check_constraint(constraint)
+        if grammar is not None:
+            self._grammars.check(grammar, grammar_param(request))
 
     @classmethod
     def load(cls, folder: Path, *, name: str, max_model_len: int | None = None) -> PromptRenderer:
@@ -90,12 +98,7 @@ class PromptRenderer:
         if thinking is not None and takes_enable_thinking(self.tokenizer):
             kwargs["enable_thinking"] = thinking
         if tools and native:
-            kwargs["tools"] = escape(
-                [
-                    {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": json.loads(t.parameters_json)}}
-                    for t in tools
-                ]
-            )
+            kwargs["tools"] = escape([template_tool(t) for t in tools])
         elif tools:
             conversation = _with_tools_in_system(conversation, escape(tools_prompt(tools)))
         text = self.tokenizer.apply_chat_template(conversation, **kwargs)
@@ -175,7 +178,7 @@ def _fallback_dict(message: Message) -> dict[str, Any]:
     role = "system" if message.role is Role.DEVELOPER else message.role.value
     text = message.text
     if message.tool_calls:
-        calls = "\n".join(call_text(c.name, _json_or_text(c.arguments)) for c in message.tool_calls)
+        calls = "\n".join(call_text(c.name, _call_arguments(c), custom=c.kind is ToolKind.CUSTOM) for c in message.tool_calls)
         text = f"{text}\n{calls}" if text else calls
     if message.role is Role.TOOL:
         text = f"<tool_response>{'Error: ' if message.is_error else ''}{text}</tool_response>"
@@ -196,13 +199,23 @@ def _message_dict(message: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role, "content": message.text}
     if message.tool_calls:
         out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _json_or_text(c.arguments)}} for c in message.tool_calls
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _template_arguments(c)}} for c in message.tool_calls
         ]
         if not out["content"]:
-            out["content"] = "\n".join(json.dumps({"name": c.name, "arguments": _json_or_text(c.arguments)}) for c in message.tool_calls)
+            out["content"] = "\n".join(json.dumps({"name": c.name, "arguments": _template_arguments(c)}) for c in message.tool_calls)
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return _with_reasoning(out, message)
+
+
+def _call_arguments(call: ToolCall) -> Any:
+    """What our call syntax writes: a custom tool's raw input, a function's arguments as JSON."""
+    return call.arguments if call.kind is ToolKind.CUSTOM else _json_or_text(call.arguments)
+
+
+def _template_arguments(call: ToolCall) -> Any:
+    """What a tool-aware template gets: a custom tool is shown as a function with one `input` string."""
+    return {"input": call.arguments} if call.kind is ToolKind.CUSTOM else _json_or_text(call.arguments)
 
 
 def _json_or_text(arguments: str) -> Any:

@@ -38,6 +38,7 @@ from shared.ir import (
     TextPart,
     Thinking,
     ToolCall,
+    ToolKind,
     ToolSpec,
 )
 
@@ -140,12 +141,26 @@ def request_from_dict(doc: dict[str, Any]) -> Request:
     kwargs["protocol"] = Protocol(kwargs["protocol"])
     kwargs["messages"] = tuple(message_from_dict(m) for m in kwargs["messages"])
     kwargs["sampling"] = _sampling_from_dict(kwargs.get("sampling", {}))
-    kwargs["tools"] = tuple(ToolSpec(**t) for t in kwargs.get("tools", ()))
+    kwargs["tools"] = tuple(_tool_from_dict(t) for t in kwargs.get("tools", ()))
     kwargs["metadata"] = tuple((str(k), str(v)) for k, v in kwargs.get("metadata", ()))
     kwargs["prompt_token_ids"] = tuple(kwargs.get("prompt_token_ids", ()))
     kwargs["constraint"] = _constraint_from_dict(kwargs.get("constraint"))
     kwargs["thinking"] = Thinking(**{f.name: v for f in fields(Thinking) if (v := kwargs.get("thinking", {}).get(f.name)) is not None})
     return Request(**kwargs)
+
+
+def _tool_from_dict(doc: dict[str, Any]) -> ToolSpec:
+    return ToolSpec(
+        name=doc["name"],
+        description=doc.get("description", ""),
+        parameters_json=doc.get("parameters_json", "{}"),
+        kind=ToolKind(doc.get("kind", ToolKind.FUNCTION.value)),
+        input_format=_constraint_from_dict(doc.get("input_format")),
+    )
+
+
+def _tool_call_from_dict(doc: dict[str, Any]) -> ToolCall:
+    return ToolCall(id=doc["id"], name=doc["name"], arguments=doc["arguments"], kind=ToolKind(doc.get("kind", ToolKind.FUNCTION.value)))
 
 
 def _constraint_from_dict(doc: dict[str, Any] | None) -> Constraint | None:
@@ -171,7 +186,7 @@ def message_from_dict(doc: dict[str, Any]) -> Message:
         role=Role(doc["role"]),
         content=tuple(parts),
         name=doc.get("name"),
-        tool_calls=tuple(ToolCall(**c) for c in doc.get("tool_calls", ())),
+        tool_calls=tuple(_tool_call_from_dict(c) for c in doc.get("tool_calls", ())),
         tool_call_id=doc.get("tool_call_id"),
         reasoning=doc.get("reasoning"),
         sealed_reasoning=tuple((str(t), str(b)) for t, b in doc.get("sealed_reasoning", ())),

@@ -43,13 +43,23 @@ class ImagePart:
 ContentPart = TextPart | ImagePart
 
 
+class ToolKind(enum.StrEnum):
+    """What a tool takes: `function` = JSON arguments against a schema; `custom` = free-form text
+    (Responses `custom` tools), optionally constrained by a Lark or regex grammar."""
+
+    FUNCTION = "function"
+    CUSTOM = "custom"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolCall:
-    """A call the assistant made earlier in the conversation (arguments: a JSON document as text)."""
+    """A call the assistant made earlier in the conversation (arguments: a JSON document as text; for a
+    custom tool, its raw input)."""
 
     id: str
     name: str
     arguments: str
+    kind: ToolKind = ToolKind.FUNCTION
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,11 +82,15 @@ class Message:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolSpec:
-    """A function the model may call; parameters is its JSON Schema serialized as JSON text."""
+    """A tool the model may call. A function's `parameters_json` is its JSON Schema as JSON text; a
+    custom tool's `input_format` is the grammar its raw input must match (a LARK or REGEX `Constraint`
+    whose `param` names the client field), None for free text."""
 
     name: str
     description: str = ""
     parameters_json: str = "{}"
+    kind: ToolKind = ToolKind.FUNCTION
+    input_format: Constraint | None = None
 
 
 class ConstraintKind(enum.StrEnum):
@@ -205,3 +219,8 @@ class Request:
     prompt_token_ids: tuple[int, ...] = ()
     endpoint: str = ""
     raw_body: str = ""
+
+
+def custom_tools(request: Request) -> frozenset[str]:
+    """The names of the request's custom tools: a call to one carries raw input, not JSON arguments."""
+    return frozenset(t.name for t in request.tools if t.kind is ToolKind.CUSTOM)

@@ -56,7 +56,7 @@ class Settings:
     rate_limit_period: float = 60.0  # seconds in which an empty bucket refills to rpm / tpm (tests shorten it)
     max_body_bytes: int = 32 * 2**20
     max_json_depth: int = 64
-    tool_parser: str = "auto"  # tool-call syntax parsed from model output: auto (from the template) | hermes | none
+    tool_parser: str = "auto"  # tool-call syntax parsed from model output: auto (from the template) | hermes | llama3 | mistral | none
     reasoning_parser: str = "auto"  # reasoning spans in model output: auto | qwen3 | deepseek_r1 | none (models.reasoning)
     max_thinking_tokens: int = 0  # cap on every reasoning budget; 0 = no cap
     response_ttl: int = 30 * 86400  # seconds a stored Responses-API response is kept (store=true)

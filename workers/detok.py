@@ -15,10 +15,13 @@ class IncrementalDetokenizer:
 
     Uses the prefix/read-offset method: decode a short window ending at the new token and emit what
     it adds over the window without it, so byte-level BPE merges and leading spaces come out right.
+    Special tokens are dropped, except those in `keep` (a tool-call family's markers, e.g. Mistral's
+    `[TOOL_CALLS]`, which its parser must see).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, keep: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
+        self._drop = _special_ids(tokenizer) - keep if keep else frozenset()
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
@@ -35,8 +38,18 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        text: str = self._tokenizer.decode(ids, skip_special_tokens=True)
+        if self._drop:
+            text: str = self._tokenizer.decode([i for i in ids if i not in self._drop], skip_special_tokens=False)
+        else:
+            text = self._tokenizer.decode(ids, skip_special_tokens=True)
         return text
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    """Every special token's id: the named ones and added tokens marked special."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids = {int(i) for i, t in decoder.items() if getattr(t, "special", False)}
+    return frozenset(ids | set(getattr(tokenizer, "all_special_ids", ()) or ()))
 
 
 class StopMatcher:

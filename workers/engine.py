@@ -20,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from models.grammar import Grammars, grammar_for
+from models.grammar import Grammars, grammar_for, special_markers
 from models.prompt import ModelInfo
 from models.reasoning import budget_for, think_format
+from models.tool_formats import for_request, select
 from models.tools import calls_enabled
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, Reasoning, StreamDelta, TokenLogprob, Usage, is_terminal
 from shared.ir import Request, resolve
@@ -32,7 +33,8 @@ from workers.blocks import BlockPool
 from workers.detok import IncrementalDetokenizer, StopMatcher
 from workers.reasoning import Channel, ReasoningSpan
 from workers.scheduler import Sampled, Scheduler, Sequence, StepPlan
-from workers.tools import HermesParser
+from workers.tool_parsers import ToolParser
+from workers.tools import make_parser
 
 
 class Runner(Protocol):
@@ -67,7 +69,7 @@ class _TextState:
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     max_tokens: int = 0
-    tools: HermesParser | None = None  # the tool-call parser, when the request may call tools
+    tools: ToolParser | None = None  # the tool-call parser, when the request may call tools
     span: ReasoningSpan | None = None  # the reasoning span, when the model reasons
     reasoning_detok: IncrementalDetokenizer | None = None
     reasoning_text: list[str] = field(default_factory=list)
@@ -98,7 +100,10 @@ class Engine:
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self.grammars: Grammars | None = None  # built on the first constrained request (tokenizer-bound)
-        self.tool_parser = settings.tool_parser
+        self.tool_format = select(getattr(tokenizer, "chat_template", None), settings.tool_parser)
+        markers = self.tool_format.markers if self.tool_format is not None else ()
+        self._special = special_markers(tokenizer, markers)  # the family's markers that are special tokens here
+        self._keep = frozenset(self._special.values())  # ... which the tool parser must see as text
         self.think = think_format(tokenizer, settings.reasoning_parser)
         self.max_thinking_tokens = settings.max_thinking_tokens
         self.sealer: Sealer | None = None  # set by the worker from the deployment's key (shared.seal)
@@ -116,10 +121,12 @@ class Engine:
         max_tokens = min(request.sampling.max_tokens or budget, budget)
         seq = Sequence(request=request, prompt=list(request.prompt_token_ids), attempt=attempt, output=list(resume))
         seq.context = seq.prompt + seq.output
-        state = _TextState(IncrementalDetokenizer(self.tokenizer), StopMatcher(request.sampling.stop), max_tokens=max_tokens)
-        if calls_enabled(request) and self.tool_parser != "none":
-            state.tools = HermesParser(f"call_{request.id}")
-        grammar = grammar_for(request, tools=self.tool_parser != "none")
+        calls = calls_enabled(request) and self.tool_format is not None
+        detok = IncrementalDetokenizer(self.tokenizer, self._keep if calls else frozenset())
+        state = _TextState(detok, StopMatcher(request.sampling.stop), max_tokens=max_tokens)
+        if calls and self.tool_format is not None:
+            state.tools = make_parser(for_request(self.tool_format, request), f"call_{request.id}")
+        grammar = grammar_for(request, self.tool_format, self._special)
         if self.think is not None:
             thinking_budget = budget_for(request.thinking, self.max_thinking_tokens)
             state.span = ReasoningSpan(self.think, prompt=request.prompt_token_ids, budget=thinking_budget, force_open=grammar is not None and thinking_budget != 0)

@@ -149,9 +149,9 @@ class WorkerLoop:
         recorded = await self.recorded_deltas(request.id)
         terminal = next((d for d in recorded if is_terminal(d)), None)
         if terminal is not None:  # an earlier attempt finished it and died before its ack: finish the books only
-            outcome = await self.redis.hget(keys.request_meta(request.id), "outcome")
+            outcome: Any = await self.redis.hget(keys.request_meta(request.id), "outcome")
             self.held[request.id] = Held(claimed.entry_id, 0)
-            await self._forget(request.id, ack=True, outcome=outcome.decode() if outcome else _outcome(terminal))
+            await self._forget(request.id, ack=True, outcome=bytes(outcome).decode() if outcome else _outcome(terminal))
             return
         attempt = await leases.begin_attempt(self.redis, request.id, worker=self.worker_id, deliveries=claimed.deliveries)
         self.held[request.id] = Held(claimed.entry_id, attempt)
@@ -267,6 +267,7 @@ class WorkerLoop:
     async def heartbeat(self) -> None:
         stats = self.engine.stats
         sched = self.engine.scheduler
+        grammars = self.engine.grammars
         prefill_tps, decode_tps = self._rates(time.monotonic())
         figures: dict[Any, Any] = {
             **self.info,
@@ -286,6 +287,9 @@ class WorkerLoop:
             "step_ms": round(stats.last_step_s * 1000, 2),
             "mask_ms_total": round(getattr(self.engine.runner, "mask_s", 0.0) * 1000, 3),  # grammar masks (constrained rows only)
             "masked_steps": getattr(self.engine.runner, "masked_steps", 0),
+            "masked_rows": getattr(self.engine.runner, "masked_rows", 0),
+            "grammar_compiles": grammars.compiles if grammars is not None else 0,
+            "grammar_cache_hits": grammars.hits if grammars is not None else 0,
             "prefill_tps": round(prefill_tps, 1),
             "decode_tps": round(decode_tps, 1),
             "kv_used_tokens": sched.pool.num_used * sched.pool.block_size,

@@ -62,6 +62,7 @@ class TorchRunner:
         self._breakers: dict[str, frozenset[int]] = {}  # per sequence, like the generators
         self.mask_s = 0.0  # seconds spent on grammar masks, over `masked_steps` steps (heartbeat figures)
         self.masked_steps = 0
+        self.masked_rows = 0  # constrained rows masked, summed over those steps
         how = "--kv-budget-mb" if kv_budget_mb else "default: a share of free memory"
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s)", self.num_blocks, BLOCK_SIZE, self.num_blocks * BLOCK_SIZE, self.kv_bytes / 2**20, how)
 
@@ -88,6 +89,7 @@ class TorchRunner:
         if result.mask_s:
             self.mask_s += result.mask_s
             self.masked_steps += 1
+            self.masked_rows += sum(s.grammar is not None for s in rows)
         return [_sampled(seq, token, lp) for seq, token, lp in zip(rows, result.tokens, result.logprobs, strict=True)]
 
     def _sampler_row(self, seq: Sequence) -> SamplerRow:

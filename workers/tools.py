@@ -1,8 +1,14 @@
-"""The tool-call parser: the model's streamed text → Content / ToolCallStart / ToolCallArgs deltas (pure).
+"""Tool-call parsers: the model's streamed text → Content / ToolCallStart / ToolCallArgs deltas (pure).
 
-Parses model output only (the engine feeds it generated text, never a prompt), in the hermes / Qwen
-syntax that `models.tools` prompts for and its grammars enforce:
-`<tool_call>{"name": "...", "arguments": {...}}</tool_call>`. Hand-written as a small state machine
+Owns: `PARSERS`, the parser class of each family in `models.tool_formats` (the engine builds one per
+request with `make_parser`), and the hermes parser. The JSON-shaped families (llama3, mistral) live in
+`workers.tool_parsers`. Every parser parses model output only (the engine feeds it generated text,
+never a prompt; on resume, the text an earlier attempt emitted, so it is where it was).
+
+Hermes / Qwen syntax, as `models.tools` prompts for and its grammars enforce:
+`<tool_call>{"name": "...", "arguments": {...}}</tool_call>`; a custom tool's call is
+`<tool_call>{"name": "..."}` + newline + its raw input, up to `</tool_call>` or the end of the output
+(its `ToolCallArgs` carry that raw text). Hand-written as a small state machine
 because the deltas must stream: `ToolCallStart` as soon as the name is complete, `ToolCallArgs` as the
 argument JSON arrives. Text that might be the start of the call tag is held back until disproved;
 the wrapper's closing `}` is held back until the closing tag shows it is not part of the arguments.
@@ -14,26 +20,21 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 
+from models.tool_formats import HERMES, LLAMA3, MISTRAL, ToolFormat
 from models.tools import CLOSE, OPEN
 from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart
+from workers.tool_parsers import Llama3Parser, MistralParser, ToolParser, partial_suffix
 
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*(?:,\s*"arguments"\s*:\s*|(\}\n))')
 
 
 class HermesParser:
     def __init__(self, call_id_prefix: str) -> None:
         self._prefix = call_id_prefix
         self._buf = ""
-        self._mode = "text"  # text | head (after the tag, name not yet complete) | args
+        self._mode = "text"  # text | head (after the tag, name not yet complete) | args | raw (a custom tool's input)
         self._sent = 0  # argument characters already emitted for the open call
         self.calls = 0
 
@@ -41,7 +42,7 @@ class HermesParser:
         self._buf += text
         out: list[StreamDelta] = []
         while True:
-            step = {"text": self._text, "head": self._head, "args": self._args}[self._mode]
+            step = {"text": self._text, "head": self._head, "args": self._args, "raw": self._raw}[self._mode]
             if not step(out):
                 return out
 
@@ -55,6 +56,10 @@ class HermesParser:
         elif self._mode == "args" and len(self._buf) > self._sent:
             out.append(ToolCallArgs(index=self.calls, arguments=self._buf[self._sent :]))
             self.calls += 1
+        elif self._mode == "raw":  # a custom input the grammar ended without a closing tag
+            if self._buf:
+                out.append(ToolCallArgs(index=self.calls, arguments=self._buf))
+            self.calls += 1
         self._buf = ""
         return out
 
@@ -67,7 +72,7 @@ class HermesParser:
                 out.append(Content(text=self._buf[:at]))
             self._buf, self._mode = self._buf[at + len(OPEN) :], "head"
             return True
-        keep = _partial_suffix(self._buf, OPEN)
+        keep = partial_suffix(self._buf, OPEN)
         if len(self._buf) > keep:
             out.append(Content(text=self._buf[: len(self._buf) - keep]))
             self._buf = self._buf[len(self._buf) - keep :]
@@ -75,7 +80,7 @@ class HermesParser:
 
     def _head(self, out: list[StreamDelta]) -> bool:
         match = _HEAD.match(self._buf)
-        if match is not None and match.end() == len(self._buf):
+        if match is not None and match.group(2) is None and match.end() == len(self._buf):
             return False  # whitespace before the arguments may still be coming
         if match is None:
             if CLOSE in self._buf:  # a tag without a call inside: it was text after all
@@ -86,7 +91,19 @@ class HermesParser:
             return False
         name = json.loads(f'"{match.group(1)}"')
         out.append(ToolCallStart(index=self.calls, id=f"{self._prefix}_{self.calls}", name=name))
-        self._buf, self._mode, self._sent = self._buf[match.end() :], "args", 0
+        self._buf, self._mode, self._sent = self._buf[match.end() :], "raw" if match.group(2) else "args", 0
+        return True
+
+    def _raw(self, out: list[StreamDelta]) -> bool:
+        at = self._buf.find(CLOSE)
+        end = at if at >= 0 else len(self._buf) - partial_suffix(self._buf, CLOSE)
+        if end > 0:
+            out.append(ToolCallArgs(index=self.calls, arguments=self._buf[:end]))
+        if at < 0:
+            self._buf = self._buf[end:]
+            return False
+        self.calls += 1
+        self._buf, self._mode = self._buf[at + len(CLOSE) :], "text"
         return True
 
     def _args(self, out: list[StreamDelta]) -> bool:
@@ -99,9 +116,17 @@ class HermesParser:
             self.calls += 1
             self._buf, self._mode = self._buf[at + len(CLOSE) :], "text"
             return True
-        safe = self._buf[: len(self._buf) - _partial_suffix(self._buf, CLOSE)].rstrip()
+        safe = self._buf[: len(self._buf) - partial_suffix(self._buf, CLOSE)].rstrip()
         end = len(safe) - 1 if safe.endswith("}") else len(safe)
         if end > self._sent:
             out.append(ToolCallArgs(index=self.calls, arguments=self._buf[self._sent : end]))
             self._sent = end
         return False
+
+
+PARSERS: dict[str, Callable[[str], ToolParser]] = {HERMES.name: HermesParser, LLAMA3.name: Llama3Parser, MISTRAL.name: MistralParser}
+
+
+def make_parser(fmt: ToolFormat, call_id_prefix: str) -> ToolParser:
+    """The parser for `fmt`'s syntax; call ids are `<prefix>_<index>`."""
+    return PARSERS[fmt.name](call_id_prefix)

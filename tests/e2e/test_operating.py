@@ -179,6 +179,26 @@ def test_metrics_parse_and_move_with_traffic(server: LiveServer) -> None:
         assert ((gauge, ()) in after) and after[(gauge, ())] >= 0
 
 
+GRAMMAR_FIGURES = ("met_grammar_mask_seconds_total", "met_grammar_masked_steps_total", "met_grammar_constrained_rows_total", "met_grammar_compiles_total", "met_grammar_cache_hits_total")
+
+
+def test_constrained_decoding_figures_appear_on_metrics_and_move_after_constrained_requests(server: LiveServer) -> None:
+    before = scrape(server)
+    assert all((name, ()) in before for name in GRAMMAR_FIGURES)
+    for _ in range(2):  # the second one is served its compiled grammar from the worker's cache
+        reply = patiently(server, "/v1/chat/completions", {**CHAT, "max_tokens": 8, "regex": "[0-9]{4}"})
+        assert reply.status_code == 200 and len(reply.json()["choices"][0]["message"]["content"]) == 4
+    deadline = time.monotonic() + 10
+    while True:  # workers report in their heartbeat (every second)
+        after = scrape(server)
+        moved = {name: total(after, name) > total(before, name) for name in GRAMMAR_FIGURES}
+        if all(moved.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert all(moved.values()), moved
+    assert total(after, "met_grammar_constrained_rows_total") - total(before, "met_grammar_constrained_rows_total") >= 2  # a row a step, each request
+
+
 # ---- special tokens ----------------------------------------------------------------------------------
 
 

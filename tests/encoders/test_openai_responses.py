@@ -13,9 +13,9 @@ from pydantic import TypeAdapter
 
 from encoders.frames import Frame
 from encoders.openai_responses import ResponseAccumulator, ResponsesStreamEncoder
-from shared.deltas import Content, Error, Finish, FinishReason, Refusal, StreamDelta, ToolCallStart, Usage
-from shared.ir import Protocol, Request, SamplingParams, Thinking, ToolSpec
-from tests.encoders.recorded import PROMPT_IDS, SCENARIOS, request
+from shared.deltas import Content, Error, Finish, FinishReason, Refusal, StreamDelta, ToolCallArgs, ToolCallStart, Usage
+from shared.ir import Constraint, ConstraintKind, Protocol, Request, SamplingParams, Thinking, ToolKind, ToolSpec
+from tests.encoders.recorded import PROMPT_IDS, SCENARIOS, request, usage
 
 EVENT_ADAPTER: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 TERMINALS = {"response.completed", "response.incomplete", "response.failed"}
@@ -29,6 +29,7 @@ ITEM_ADDED, ITEM_DONE, PART_ADDED, PART_DONE = (
 )
 TEXT_DELTA, TEXT_DONE = "response.output_text.delta", "response.output_text.done"
 ARGS_DELTA, ARGS_DONE = "response.function_call_arguments.delta", "response.function_call_arguments.done"
+CUSTOM_DELTA, CUSTOM_DONE = "response.custom_tool_call_input.delta", "response.custom_tool_call_input.done"
 
 
 def message_item(deltas: int) -> list[str]:
@@ -127,7 +128,7 @@ def _check_items(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             elif kind in (PART_DONE, SUMMARY_DONE):
                 assert part_open
                 part_open = False
-            elif kind.endswith(".delta") and kind != ARGS_DELTA:
+            elif kind.endswith(".delta") and kind not in (ARGS_DELTA, CUSTOM_DELTA):
                 assert part_open
     assert item is None
     return done
@@ -421,3 +422,48 @@ def test_interleaved_parallel_calls_become_whole_function_call_items_in_call_ord
     ]
     assert [i["call_id"] for i in output if i["type"] == "function_call"] == ["call_a", "call_b"]
     assert accumulate(req, SCENARIOS["interleaved_parallel_calls"])["output"] == output
+
+
+PATCH = "*** Begin Patch\n*** Update File: a.py\n-x = {\n+x = [\n*** End Patch"
+CUSTOM_TOOLS = (
+    ToolSpec(name="apply_patch", description="Edit files.", kind=ToolKind.CUSTOM, input_format=Constraint(kind=ConstraintKind.LARK, text='start: "***" /(.|\\n)*/')),
+    ToolSpec(name="note", kind=ToolKind.CUSTOM),
+    ToolSpec(name="get_time", parameters_json='{"type":"object"}'),
+)
+CUSTOM_CALLS: list[StreamDelta] = [
+    Content(text="Patching.", token_ids=(1,)),
+    ToolCallStart(index=0, id="call_req01_0", name="apply_patch", token_ids=(2,)),
+    ToolCallArgs(index=0, arguments=PATCH[:20], token_ids=(3,)),
+    ToolCallArgs(index=0, arguments=PATCH[20:], token_ids=(4,)),
+    ToolCallStart(index=1, id="call_req01_1", name="get_time", token_ids=(5,)),
+    ToolCallArgs(index=1, arguments='{"tz": "CET"}', token_ids=(6,)),
+    Finish(reason=FinishReason.TOOL_CALLS, usage=usage(7)),
+]
+
+
+def test_a_call_to_a_custom_tool_is_a_custom_tool_call_item_with_its_raw_input_streamed() -> None:
+    req = responses_request(tools=CUSTOM_TOOLS, tool_choice="function:apply_patch")
+    frames = replay(req, CUSTOM_CALLS)
+    assert [f.event for f in frames] == [*HEAD, *message_item(1), ITEM_ADDED, CUSTOM_DELTA, CUSTOM_DELTA, CUSTOM_DONE, ITEM_DONE, *call_item(1), "response.completed"]
+    check_stream(frames)
+    events = payloads(frames)
+    deltas = [e for e in events if e["type"] == CUSTOM_DELTA]
+    assert [set(e) for e in deltas] == [{"type", "item_id", "output_index", "delta", "sequence_number"}] * 2
+    [done] = [e for e in events if e["type"] == CUSTOM_DONE]
+    assert (done["item_id"], done["output_index"], done["input"]) == ("ctc_req01_1", 1, PATCH)
+    body = accumulate(req, CUSTOM_CALLS)
+    custom = body["output"][1]
+    assert custom == {"id": "ctc_req01_1", "type": "custom_tool_call", "status": "completed", "input": PATCH, "call_id": "call_req01_0", "name": "apply_patch"}
+    assert body["output"][2]["type"] == "function_call" and body["output"][2]["arguments"] == '{"tz": "CET"}'
+    assert body["tool_choice"] == {"type": "custom", "name": "apply_patch"}
+    assert body["tools"][0] == {"type": "custom", "name": "apply_patch", "description": "Edit files.", "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "***" /(.|\\n)*/'}}
+    assert body["tools"][1]["format"] == {"type": "text"}
+
+
+def test_the_sdk_accumulates_a_custom_tool_call_stream_into_the_non_streaming_body() -> None:
+    req = responses_request(tools=CUSTOM_TOOLS, tool_choice="required")
+    body = accumulate(req, CUSTOM_CALLS)
+    final = sdk_replay(replay(req, CUSTOM_CALLS))[-1].response
+    assert final.model_dump(mode="json", exclude_none=True) == drop_none(body)
+    [call] = [item for item in final.output if item.type == "custom_tool_call"]
+    assert (call.name, call.input, call.call_id) == ("apply_patch", PATCH, "call_req01_0")

@@ -8,7 +8,20 @@ import pytest
 
 from ingest.openai_responses import parse, previous_response_id, store_flag
 from shared.errors import ApiError
-from shared.ir import ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
+from shared.ir import (
+    Constraint,
+    ConstraintKind,
+    ImagePart,
+    Message,
+    Protocol,
+    Request,
+    Role,
+    SamplingParams,
+    TextPart,
+    ToolCall,
+    ToolKind,
+    ToolSpec,
+)
 
 
 def body(**fields: Any) -> dict[str, Any]:
@@ -80,6 +93,35 @@ def test_sampling_stream_tools_and_extensions_are_read() -> None:
 def test_tools_the_server_cannot_run_are_accepted_and_ignored() -> None:
     mixed = [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["v"]}, {"type": "function", "name": "f"}, {"type": "mcp", "server_label": "x"}]
     assert [t.name for t in parsed(body(tools=mixed)).tools] == ["f"]
+
+
+def test_custom_tools_are_callable_with_their_grammar_and_a_named_custom_choice() -> None:
+    tools = [
+        {"type": "web_search"},
+        {"type": "custom", "name": "apply_patch", "description": "Edit.", "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "x"'}},
+        {"type": "custom", "name": "email", "format": {"type": "grammar", "syntax": "regex", "definition": "[a-z]+@x\\.com"}},
+        {"type": "custom", "name": "note", "format": {"type": "text"}},
+        {"type": "custom", "name": "plain"},
+    ]
+    request = parsed(body(tools=tools, tool_choice={"type": "custom", "name": "email"}))
+    assert request.tools == (
+        ToolSpec(name="apply_patch", description="Edit.", kind=ToolKind.CUSTOM, input_format=Constraint(kind=ConstraintKind.LARK, text='start: "x"', param="tools[1].format.definition")),
+        ToolSpec(name="email", kind=ToolKind.CUSTOM, input_format=Constraint(kind=ConstraintKind.REGEX, text="[a-z]+@x\\.com", param="tools[2].format.definition")),
+        ToolSpec(name="note", kind=ToolKind.CUSTOM),
+        ToolSpec(name="plain", kind=ToolKind.CUSTOM),
+    )
+    assert request.tool_choice == "function:email"
+
+
+def test_custom_tool_calls_and_outputs_in_input_render_as_a_call_and_its_result() -> None:
+    items = [
+        {"role": "user", "content": "Fix it"},
+        {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** Begin Patch"},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done."},
+    ]
+    messages = parsed(body(input=items)).messages
+    assert messages[1] == Message(role=Role.ASSISTANT, tool_calls=(ToolCall(id="c1", name="apply_patch", arguments="*** Begin Patch", kind=ToolKind.CUSTOM),))
+    assert messages[2] == Message(role=Role.TOOL, content=(TextPart(text="Done."),), tool_call_id="c1")
 
 
 def test_input_items_become_messages_with_merged_assistant_turns() -> None:
@@ -161,6 +203,12 @@ def test_store_and_previous_response_id_are_read_by_helpers_not_the_ir() -> None
         (body(tool_choice="any"), "tool_choice"),
         (body(tool_choice={"type": "file_search"}), "tool_choice.type"),
         (body(tool_choice={"type": "function"}), "tool_choice.name"),
+        (body(tools=[{"type": "custom", "name": "p"}], tool_choice={"type": "custom", "name": "q"}), "tool_choice.name"),
+        (body(tools=[{"type": "custom"}]), "tools[0].name"),
+        (body(tools=[{"type": "custom", "name": "p", "format": {"type": "grammar", "syntax": "ebnf", "definition": "x"}}]), "tools[0].format.syntax"),
+        (body(tools=[{"type": "custom", "name": "p", "format": {"type": "grammar", "syntax": "lark"}}]), "tools[0].format.definition"),
+        (body(tools=[{"type": "custom", "name": "p", "format": {"type": "json"}}]), "tools[0].format.type"),
+        (body(input=[{"type": "custom_tool_call", "call_id": "c", "name": "p"}]), "input[0].input"),
         (body(parallel_tool_calls="no"), "parallel_tool_calls"),
         (body(store="yes"), "store"),
         (body(previous_response_id=""), "previous_response_id"),

@@ -118,3 +118,21 @@ def test_a_template_without_tool_support_gets_the_tools_and_the_call_syntax_in_t
     assert "<|im_start|>tool\n<tool_response>Error: no data</tool_response><|im_end|>" in text
     silent = renderer.tokenizer.decode(renderer.render(replace(request, tool_choice="none")))
     assert "You can call tools." not in silent and "get_weather" in silent  # the history stays; the offer does not
+
+
+def test_custom_tools_are_offered_with_their_input_format_and_past_calls_render_raw(renderer: PromptRenderer) -> None:
+    from shared.ir import Constraint, ConstraintKind, Protocol, Request, ToolKind
+
+    grammar = Constraint(kind=ConstraintKind.REGEX, text=r"[a-z]+@x\.com", param="tools[0].format.definition")
+    tools = (ToolSpec(name="send_to", description="Mail it.", kind=ToolKind.CUSTOM, input_format=grammar), ToolSpec(name="note", kind=ToolKind.CUSTOM))
+    history = (
+        message(Role.USER, "Mail it."),
+        Message(role=Role.ASSISTANT, tool_calls=(ToolCall(id="c1", name="send_to", arguments='ab@x.com "quoted"', kind=ToolKind.CUSTOM),)),
+        Message(role=Role.TOOL, content=(TextPart(text="Sent."),), tool_call_id="c1"),
+    )
+    text = renderer.tokenizer.decode(renderer.render(Request(id="r", protocol=Protocol.OPENAI_RESPONSES, model="m", messages=history, tools=tools)))
+    system = text[: text.index("<|im_end|>")]
+    assert '{"name": "send_to", "description": "Mail it.", "input": "text matching the regex [a-z]+@x\\\\.com"}' in system
+    assert '{"name": "note", "description": "", "input": "free text"}' in system
+    assert '<tool_call>{"name": "<tool name>"}\n<the input, as is></tool_call>' in system
+    assert '<|im_start|>assistant\n<tool_call>{"name": "send_to"}\nab@x.com "quoted"</tool_call><|im_end|>' in text

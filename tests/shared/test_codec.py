@@ -7,7 +7,20 @@ import pytest
 
 from shared.codec import CodecError, decode_delta, decode_request, encode_delta, encode_request
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, TokenLogprob, Usage
-from shared.ir import Constraint, ConstraintKind, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
+from shared.ir import (
+    Constraint,
+    ConstraintKind,
+    ImagePart,
+    Message,
+    Protocol,
+    Request,
+    Role,
+    SamplingParams,
+    TextPart,
+    ToolCall,
+    ToolKind,
+    ToolSpec,
+)
 
 from ..encoders.recorded import SCENARIOS
 
@@ -22,10 +35,15 @@ def test_a_full_request_round_trips() -> None:
             Message(role=Role.USER, content=(TextPart(text="look"), ImagePart(url="data:image/png;base64,AA", media_type="image/png"))),
             Message(role=Role.ASSISTANT, tool_calls=(ToolCall(id="t1", name="f", arguments='{"a":1}'),), reasoning="hmm"),
             Message(role=Role.TOOL, content=(TextPart(text="42"),), tool_call_id="t1"),
+            Message(role=Role.ASSISTANT, tool_calls=(ToolCall(id="t2", name="patch", arguments="raw *** text", kind=ToolKind.CUSTOM),)),
         ),
         sampling=SamplingParams(temperature=0.2, seed=9, stop=("x", "y"), logit_bias=((5, -100.0),), max_tokens=7, stop_token_ids=(3,)),
         stream=True,
-        tools=(ToolSpec(name="f", description="d", parameters_json="{}"),),
+        tools=(
+            ToolSpec(name="f", description="d", parameters_json="{}"),
+            ToolSpec(name="patch", kind=ToolKind.CUSTOM, input_format=Constraint(kind=ConstraintKind.LARK, text='start: "x"', param="tools[1].format.definition")),
+            ToolSpec(name="note", kind=ToolKind.CUSTOM),
+        ),
         tool_choice="required",
         constraint=Constraint(kind=ConstraintKind.CHOICE, choices=("yes", "no"), param="choice"),
         metadata=(("user_id", "u"),),
@@ -33,7 +51,9 @@ def test_a_full_request_round_trips() -> None:
         created=12.5,
         raw_body='{"x":1}',
     )
-    assert decode_request(encode_request(request)) == request
+    decoded = decode_request(encode_request(request))
+    assert decoded == request
+    assert decoded.tools[1].kind is ToolKind.CUSTOM and decoded.messages[-1].tool_calls[0].kind is ToolKind.CUSTOM
 
 
 @pytest.mark.parametrize("kind", list(ConstraintKind))

@@ -187,7 +187,7 @@ def test_rows_without_a_matcher_do_no_mask_work(tokenizer: Any, info: ModelInfo)
     assert processed[1].isfinite().nonzero().flatten().tolist() == [tokenizer.convert_tokens_to_ids("7")]
 
 
-CALL_TEXT = 'Checking.<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>'
+CALL_TEXT = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city":"Paris"}}</tool_call>'
 
 
 class ScriptRunner:
@@ -212,23 +212,83 @@ def tool_request() -> Request:
     return replace(ask("t"), tools=(spec,), tool_choice="auto")
 
 
-def test_a_tool_call_resumed_mid_arguments_continues_the_same_call(tokenizer: Any, info: ModelInfo) -> None:
+# Per family: a call as its `auto` grammar lets it through (compact JSON), and the text before it.
+FAMILY_CALLS = {
+    "hermes": (CALL_TEXT, "Checking."),
+    "llama3": ('{"name":"get_weather","parameters":{"city":"Paris"}}', ""),
+    "mistral": ('Checking.[TOOL_CALLS][{"name":"get_weather","arguments":{"city":"Paris"}}]', "Checking."),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CALLS))
+def test_a_tool_call_resumed_mid_arguments_continues_the_same_call(family: str, tokenizer: Any, info: ModelInfo) -> None:
     from shared.deltas import ToolCallArgs, ToolCallStart
 
-    tokens = tokenizer.encode(CALL_TEXT)
-    whole = drain(engine := Engine(ScriptRunner(tokens, info.eos_token_ids[0]), tokenizer, info, settings=Settings()), engine.add(tool_request()))["t"]
-    assert text_of(whole) == "Checking." and whole[-1].reason is FinishReason.TOOL_CALLS
+    script, before = FAMILY_CALLS[family]
+    tokens = tokenizer.encode(script)
+    settings = Settings(tool_parser=family)
+    whole = drain(engine := Engine(ScriptRunner(tokens, info.eos_token_ids[0]), tokenizer, info, settings=settings), engine.add(tool_request()))["t"]
+    assert text_of(whole) == before and whole[-1].reason is FinishReason.TOOL_CALLS
     start = next(d for d in whole if isinstance(d, ToolCallStart))
     assert (start.id, start.name) == ("call_t_0", "get_weather")
     assert "".join(d.arguments for d in whole if isinstance(d, ToolCallArgs)) == '{"city":"Paris"}'
     emitted = [t for d in whole for t in d.token_ids]
-    assert emitted == [*tokens, info.eos_token_ids[0]]  # every token in exactly one delta
+    assert emitted in ([*tokens, info.eos_token_ids[0]], tokens)  # every token in exactly one delta (a complete grammar ends before EOS)
     cut = len(tokens) - 6  # inside the arguments
     counts = [sum(len(x.token_ids) for x in whole[: i + 1]) for i in range(len(whole))]
     delivered = whole[: next(i for i, c in enumerate(counts) if c > cut)]  # what attempt 1 wrote before dying
     resume = tuple(t for d in delivered for t in d.token_ids)
-    engine = Engine(ScriptRunner(tokens, info.eos_token_ids[0]), tokenizer, info, settings=Settings())
+    engine = Engine(ScriptRunner(tokens, info.eos_token_ids[0]), tokenizer, info, settings=settings)
     rest = drain(engine, engine.add(tool_request(), attempt=2, resume=resume))["t"]
     assert not any(isinstance(d, ToolCallStart) for d in rest)  # the call was already opened by attempt 1
     args = "".join(d.arguments for d in [*delivered, *rest] if isinstance(d, ToolCallArgs))
     assert args == '{"city":"Paris"}' and rest[-1].reason is FinishReason.TOOL_CALLS
+
+
+def test_a_forced_custom_tool_call_streams_raw_input_that_matches_its_regex(tiny: LlamaForCausalLM, tokenizer: Any, info: ModelInfo) -> None:
+    from shared.deltas import ToolCallArgs, ToolCallStart
+    from shared.ir import ToolKind, ToolSpec
+
+    pattern = r"[a-z]{2,6}@[a-z]{2,6}\.com"
+    email = ToolSpec(name="send_to", kind=ToolKind.CUSTOM, input_format=Constraint(kind=ConstraintKind.REGEX, text=pattern, param="tools[0].format.definition"))
+    engine = make_engine(tiny, tokenizer, info)  # the llama-free SmolLM2 template: hermes, as custom tools always are
+    request = replace(tool_request(), tools=(email, *tool_request().tools), tool_choice="function:send_to", sampling=SamplingParams(temperature=0.0, max_tokens=48))
+    out = drain(engine, engine.add(request))["t"]
+    assert [d.name for d in out if isinstance(d, ToolCallStart)] == ["send_to"] and out[-1].reason is FinishReason.TOOL_CALLS
+    assert re.fullmatch(pattern, "".join(d.arguments for d in out if isinstance(d, ToolCallArgs)))
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "hermes"])
+def test_a_required_call_from_a_noise_model_is_a_parsed_call_in_each_family(family: str, tiny: LlamaForCausalLM, tokenizer: Any, info: ModelInfo) -> None:
+    from shared.deltas import ToolCallArgs, ToolCallStart
+
+    runner = TorchRunner(tiny, max_len=256, kv_budget_mb=16, device=torch.device("cpu"), dtype=torch.float32)
+    runner.eos_ids = info.eos_token_ids
+    engine = Engine(runner, tokenizer, info, settings=Settings(tool_parser=family, max_tokens_per_step=256))
+    from shared.ir import ToolSpec
+
+    bounded = ToolSpec(name="get_weather", parameters_json=json.dumps({"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"], "additionalProperties": False}))
+    request = replace(tool_request(), tools=(bounded,), tool_choice="required", parallel_tool_calls=False, sampling=SamplingParams(temperature=0.0, max_tokens=64))
+    out = drain(engine, engine.add(request))["t"]
+    assert out[-1].reason is FinishReason.TOOL_CALLS and text_of(out) == ""
+    [start] = [d for d in out if isinstance(d, ToolCallStart)]
+    assert start.name == "get_weather"
+    assert json.loads("".join(d.arguments for d in out if isinstance(d, ToolCallArgs)))["city"] in ("Paris", "Rome")
+
+
+def test_a_family_marker_that_is_a_special_token_reaches_the_parser(info: ModelInfo) -> None:
+    from shared.deltas import ToolCallArgs, ToolCallStart
+
+    settings = Settings.from_env(os.environ)
+    _, folder = local_folder(settings.model, settings.model_cache)
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    marker = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    tokens = [marker, *tok.encode('[{"name":"get_weather","arguments":{"city":"Paris"}}]')]  # as the grammar writes it (compact)
+    engine = Engine(ScriptRunner(tokens, info.eos_token_ids[0]), tok, info, settings=Settings(tool_parser="mistral"))
+    out = drain(engine, engine.add(replace(tool_request(), tool_choice="auto")))["t"]
+    assert [d.name for d in out if isinstance(d, ToolCallStart)] == ["get_weather"]
+    assert "".join(d.arguments for d in out if isinstance(d, ToolCallArgs)) == '{"city":"Paris"}' and text_of(out) == ""
+    plain = Engine(ScriptRunner(tokens, info.eos_token_ids[0]), tok, info, settings=Settings(tool_parser="mistral"))
+    free = drain(plain, plain.add(replace(ask("t"), sampling=SamplingParams(temperature=0.0, max_tokens=64))))["t"]
+    assert "[TOOL_CALLS]" not in text_of(free)  # without tools, special tokens stay out of the text
