@@ -1,7 +1,8 @@
 """Secrets never land in dumps or logs: redact credential-like fields from JSON-like values.
 
-A field is a secret when its name says so (api_key, apiKey, authorization, password, secret,
-access_token, ...). Token-count fields such as `max_tokens` are not secrets.
+A field is a secret when its name says so (api_key, apiKey, authorization, auth, password, secret,
+private_key, cookie, credential, and any name ending in `token`: access_token, hf_token, authToken).
+Token-count fields such as `max_tokens` or `token_ids` are not secrets (plural, or `token` not last).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import re
 from typing import Any
 
 REDACTED = "[redacted]"
-_SECRET = re.compile(r"(?i)(api[_-]?key|authorization|passw(or)?d|secret|access[_-]?token|refresh[_-]?token|bearer|credential|cookie)")
+_SECRET = re.compile(r"(?i)(api[_-]?key|authorization|\bauth\b|auth[_-]|passw(or)?d|secret|private[_-]?key|bearer|credential|cookie|token$)")
 
 
 def is_secret(name: str) -> bool:

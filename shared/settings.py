@@ -48,7 +48,7 @@ class Settings:
     lease_s: float = 10.0  # a claimed request whose worker stops renewing for this long is reclaimed
     drain_timeout: float = 30.0  # on SIGTERM, seconds a worker may spend finishing in-flight requests
     max_deliveries: int = 3  # a request delivered this many times without finishing goes to the dead letters
-    crash_on: str = ""  # fault injection for recovery tests: a worker exits hard on a prompt containing this
+    crash_on: str = ""  # fault injection for recovery tests: a worker exits hard on a prompt containing this (only with <data_dir>/ENABLE_FAULT_INJECTION)
     api_keys: str = ""  # comma-separated API keys; empty with no keys file = no auth
     api_keys_file: str = ""  # one key per line
     rate_limit_rpm: int = 0  # requests per minute per key (0 = unlimited), shared across API nodes

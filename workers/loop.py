@@ -58,6 +58,7 @@ class WorkerLoop:
         self._fenced = redis.register_script(leases.FENCED_WRITE)
         self._due: dict[str, float] = defaultdict(float)
         self._last_counts = (time.monotonic(), 0, 0)
+        self.crash_on = fault_injection(settings)
 
     async def run(self, stop: asyncio.Event) -> None:
         await leases.ensure_group(self.redis)
@@ -164,7 +165,7 @@ class WorkerLoop:
             cancelled = Emission(request.id, Finish(reason=FinishReason.CANCELLED, usage=usage, attempt=attempt))
             await self.publish([self._as_cancel(cancelled, flag)])
             return
-        if self.settings.crash_on and self.settings.crash_on in request.raw_body:
+        if self.crash_on and self.crash_on in request.raw_body:
             log.critical("fault injection: exiting hard on request %s (crash_on)", request.id)
             os._exit(70)
         emitted = tuple(t for d in recorded for t in getattr(d, "token_ids", ()))
@@ -329,6 +330,21 @@ class WorkerLoop:
 
 def _script_keys(rid: str) -> tuple[str, str, str, str]:
     return keys.request_meta(rid), keys.delta_stream(rid), keys.request_ir(rid), keys.cancel_flag(rid)
+
+
+FAULT_INJECTION_FILE = "ENABLE_FAULT_INJECTION"
+
+
+def fault_injection(settings: Settings) -> str:
+    """`crash_on` (MET_CRASH_ON), honoured only where a test enabled it: with a file of this name in the
+    data dir. A production deployment that merely inherits the variable never lets a client kill workers."""
+    if not settings.crash_on:
+        return ""
+    if os.path.exists(os.path.join(settings.data_dir, FAULT_INJECTION_FILE)):
+        log.warning("fault injection is on: a request containing %r kills this worker", settings.crash_on)
+        return settings.crash_on
+    log.warning("MET_CRASH_ON is set but fault injection is not enabled (no %s in %s): ignored", FAULT_INJECTION_FILE, settings.data_dir)
+    return ""
 
 
 def _outcome(delta: StreamDelta) -> str:

@@ -22,6 +22,7 @@ from cli.embedded_redis import free_port
 from shared import keys
 from shared.codec import decode_delta
 from shared.deltas import Error, Finish, is_terminal
+from workers.loop import FAULT_INJECTION_FILE
 
 from ..conftest import ROOT, LiveServer, start_server, stop_server
 
@@ -34,9 +35,9 @@ MAX_TOKENS = 110
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    server = start_server(
-        tmp_path_factory.mktemp("recovery"), "--workers", "2", "--lease", "3", env={"MET_CRASH_ON": POISON}, workers_ready=2
-    )
+    data = tmp_path_factory.mktemp("recovery")
+    (data / FAULT_INJECTION_FILE).touch()  # test-only: the crash hook works only with this file in the data dir
+    server = start_server(data, "--workers", "2", "--lease", "3", env={"MET_CRASH_ON": POISON}, workers_ready=2)
     yield server
     stop_server(server)
 

@@ -153,3 +153,14 @@ def test_reclaiming_a_request_whose_terminal_was_written_only_settles_its_books(
         assert pending["pending"] == 0 and not engine.active_ids()
 
     run(redis_server, body)
+
+
+def test_the_crash_hook_is_ignored_unless_the_data_dir_enables_fault_injection(tmp_path: Any) -> None:
+    from shared.settings import Settings
+    from workers.loop import FAULT_INJECTION_FILE, fault_injection
+
+    settings = Settings(crash_on="POISON", data_dir=str(tmp_path))
+    assert fault_injection(settings) == ""  # inherited from the environment alone: a client cannot kill workers
+    (tmp_path / FAULT_INJECTION_FILE).touch()
+    assert fault_injection(settings) == "POISON"
+    assert fault_injection(Settings(data_dir=str(tmp_path))) == ""
