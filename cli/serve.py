@@ -93,12 +93,18 @@ async def run_api(settings: Settings, before_exit: Callable[[], None] | None = N
     renderer = await asyncio.to_thread(PromptRenderer.load, folder, name=name, max_model_len=settings.max_model_len)
     app = build_app(settings, renderer)
     api = app.met_api  # type: ignore[attr-defined]
-    if before_exit is not None:
-        stop_workers = before_exit
+    stop_workers = before_exit
 
-        def before_exit() -> None:
-            api.draining = True  # /ready answers 503 first
+    def drain() -> None:
+        """On SIGTERM / Ctrl-C: /ready answers 503 first; `met serve` then drains its workers (whose
+        requests end with a terminal event); `met api` alone waits for its open streams to end."""
+        api.draining = True
+        if stop_workers is not None:
             stop_workers()
+            return
+        end = time.monotonic() + settings.drain_timeout
+        while api.open_streams and time.monotonic() < end:
+            time.sleep(0.1)
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
     dumps = None
@@ -108,7 +114,7 @@ async def run_api(settings: Settings, before_exit: Callable[[], None] | None = N
         dumps = DumpWriterTask(settings.redis_url or "", settings.dump_dir)
         await dumps.start()
     try:
-        await _Server(config, before_exit).serve()
+        await _Server(config, drain).serve()
     finally:
         if dumps is not None:
             await dumps.stop()

@@ -72,6 +72,7 @@ class Api:
         self.redis: Redis = Redis.from_url(settings.redis_url or "redis://127.0.0.1:6379")
         self.started = int(time.time())
         self.draining = False  # set on shutdown: /ready turns 503 before anything stops
+        self.open_streams = 0  # SSE responses in progress on this node
         self.auth = Authenticator.from_settings(settings)
         self.limiter = RateLimiter(self.redis, settings)
         self.metrics = Metrics(self.redis, heartbeat_ttl=settings.heartbeat_ttl)
@@ -162,8 +163,13 @@ class Api:
         encoder: StreamEncoder = surface.stream_encoder(request)
         ping = surface.ping(encoder)
 
-        def events() -> AsyncIterator[TextServerSentEvent]:
-            return sse_events(deltas, encoder, ping=ping, ping_interval=self.settings.ping_interval, client=link, skip=skip)
+        async def events() -> AsyncIterator[TextServerSentEvent]:
+            self.open_streams += 1  # a draining node waits for these (cli.serve)
+            try:
+                async for event in sse_events(deltas, encoder, ping=ping, ping_interval=self.settings.ping_interval, client=link, skip=skip):
+                    yield event
+            finally:
+                self.open_streams -= 1
 
         return ServerSentEventsResponse(
             events,

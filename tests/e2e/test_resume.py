@@ -180,3 +180,18 @@ def test_background_responses_poll_replay_from_starting_after_byte_for_byte_and_
         foreground = client.responses.create(model="m", input=PROMPT, max_output_tokens=4)
         with pytest.raises(openai.BadRequestError):
             client.responses.cancel(foreground.id)  # only background responses can be cancelled
+
+
+def test_met_api_alone_drains_on_sigterm_unready_first_while_its_open_streams_finish(env: dict[str, str]) -> None:
+    node = Node(env, Path(env["_LOGS"]) / "draining.log")
+    path, body = body_for("chat")
+    with httpx.stream("POST", node.base + path, json=body, timeout=120) as stream:
+        events = sse(stream.iter_lines())
+        next(events)
+        node.proc.send_signal(signal.SIGTERM)
+        wait_for("/ready to turn 503", lambda: httpx.get(f"{node.base}/ready", timeout=2).status_code == 503, timeout=10)
+        rest = list(events)
+    assert rest and rest[-1][1] == "[DONE]"
+    finish = [d for _id, d in rest if isinstance(d, dict) and d.get("choices") and d["choices"][0].get("finish_reason")]
+    assert finish and finish[-1]["choices"][0]["finish_reason"] in ("stop", "length")  # finished, not cut or cancelled
+    assert node.proc.wait(60) == 0
