@@ -65,6 +65,12 @@ def _check_version(doc: dict[str, Any]) -> None:
         raise CodecError(f"unsupported payload version: {doc.get('v') if isinstance(doc, dict) else doc!r}")
 
 
+def _known(cls: Any, doc: dict[str, Any]) -> Any:
+    """`cls` from the fields of `doc` it has: a field a newer minor version added is ignored, not a crash."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in doc.items() if k in names})
+
+
 def _asdict(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
@@ -96,7 +102,7 @@ def delta_from_dict(doc: dict[str, Any]) -> StreamDelta:
         kwargs["token_ids"] = tuple(kwargs["token_ids"])
     if cls is Finish:
         kwargs["reason"] = FinishReason(kwargs["reason"])
-        kwargs["usage"] = Usage(**kwargs["usage"])
+        kwargs["usage"] = _known(Usage, kwargs["usage"])
     elif cls is Error:
         kwargs["kind"] = ErrorKind(kwargs.get("kind", ErrorKind.INTERNAL.value))
     elif cls is Content and "logprobs" in kwargs:
@@ -181,7 +187,7 @@ def message_from_dict(doc: dict[str, Any]) -> Message:
     parts: list[ContentPart] = []
     for part in doc.get("content", ()):
         kind = part.pop("type", "text")
-        parts.append(TextPart(**part) if kind == "text" else ImagePart(**part))
+        parts.append(_known(TextPart, part) if kind == "text" else _known(ImagePart, part))
     return Message(
         role=Role(doc["role"]),
         content=tuple(parts),

@@ -23,7 +23,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from shared import keys
-from shared.codec import CodecError, decode_delta, decode_request, encode_delta
+from shared.codec import decode_delta, decode_request, encode_delta
 from shared.deltas import Error, ErrorKind, Finish, FinishReason, StreamDelta, Usage, is_terminal
 from shared.ir import Request
 from shared.settings import Settings
@@ -143,9 +143,8 @@ class WorkerLoop:
         try:
             assert claimed.fields is not None, "entry trimmed"
             request = decode_request(claimed.fields[b"req"])
-        except (AssertionError, KeyError, CodecError, ValueError) as exc:
-            log.error("dropping unreadable request entry %s: %s", claimed.entry_id, exc)
-            await self.redis.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, claimed.entry_id)
+        except Exception as exc:  # a payload never kills the worker
+            await self.unreadable(claimed, exc)
             return
         recorded = await self.recorded_deltas(request.id)
         terminal = next((d for d in recorded if is_terminal(d)), None)
@@ -170,6 +169,21 @@ class WorkerLoop:
             os._exit(70)
         emitted = tuple(t for d in recorded for t in getattr(d, "token_ids", ()))
         await self.publish(self.engine.add(request, attempt=attempt, resume=emitted))
+
+    async def unreadable(self, claimed: leases.Claimed, exc: Exception) -> None:
+        """An entry that does not decode: dead-lettered and acknowledged; when it names its request, that
+        request ends with one Error (its client is not left waiting), whatever the delivery count."""
+        reason = f"{type(exc).__name__}: {exc}"[:300]
+        rid = (claimed.fields or {}).get(b"id", b"").decode(errors="replace")
+        log.error("unreadable request entry %s (request %s): %s", claimed.entry_id, rid or "?", reason)
+        await self.redis.xadd(keys.DEAD_LETTER, {"id": rid, "entry": claimed.entry_id, "deliveries": claimed.deliveries, "reason": reason, "at": time.time()})
+        if not rid:
+            await self.redis.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, claimed.entry_id)
+            return
+        attempt = await leases.begin_attempt(self.redis, rid, worker=self.worker_id, deliveries=claimed.deliveries)
+        self.held[rid] = Held(claimed.entry_id, attempt)
+        error = Error(message="The worker could not read this request (it was set aside).", kind=ErrorKind.INTERNAL, attempt=attempt)
+        await self.publish([Emission(rid, error)])
 
     async def recorded_deltas(self, request_id: str) -> list[StreamDelta]:
         entries: Any = await self.redis.xrange(keys.delta_stream(request_id))

@@ -86,3 +86,16 @@ def test_every_stored_event_carries_version_token_ids_and_attempt() -> None:
 def test_foreign_or_newer_payloads_are_refused(raw: bytes) -> None:
     with pytest.raises(CodecError):
         decode_delta(raw)
+
+
+def test_fields_a_newer_minor_version_added_inside_nested_values_are_ignored_not_a_crash() -> None:
+    import orjson
+
+    from shared.codec import decode_delta, decode_request
+
+    request = orjson.dumps(
+        {"v": 1, "id": "r", "protocol": "openai_chat", "model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "lang": "en"}]}]}
+    )
+    assert decode_request(request).messages[0].text == "hi"
+    finish = orjson.dumps({"v": 1, "t": "finish", "reason": "stop", "usage": {"prompt_tokens": 3, "audio_tokens": 9}})
+    assert decode_delta(finish).usage.prompt_tokens == 3  # type: ignore[union-attr]

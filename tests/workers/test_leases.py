@@ -164,3 +164,32 @@ def test_the_crash_hook_is_ignored_unless_the_data_dir_enables_fault_injection(t
     (tmp_path / FAULT_INJECTION_FILE).touch()
     assert fault_injection(settings) == "POISON"
     assert fault_injection(Settings(data_dir=str(tmp_path))) == ""
+
+
+def test_an_unreadable_entry_ends_its_request_with_one_error_and_is_dead_lettered_not_crashing_the_worker(redis_server: str) -> None:
+    from shared.codec import decode_delta
+    from shared.deltas import Error
+    from shared.settings import Settings
+    from workers.engine import Engine
+    from workers.loop import WorkerLoop
+
+    from .fakes import INFO, ByteTokenizer, ScriptedRunner
+
+    async def body(redis: Redis) -> None:
+        rid = f"garbled-{time.monotonic_ns()}"
+        await redis.set(keys.INFLIGHT, 1)
+        await redis.xadd(keys.delta_stream(rid), {"created": b"1"}, id="0-1")
+        bad = b'{"v":1,"id":"%s","protocol":"openai_chat","model":"m","messages":[{"role":"nobody","content":[]}]}' % rid.encode()
+        await redis.xadd(keys.REQUEST_STREAM, {"v": 1, "id": rid, "req": bad})
+        letters_before = await redis.xlen(keys.DEAD_LETTER)
+        engine = Engine(ScriptedRunner(lambda _seq: "x"), ByteTokenizer(), INFO, settings=Settings())
+        loop = WorkerLoop(redis, engine, settings=Settings(), worker_id="reader", info={})
+        await loop.claim(block_ms=None)
+        recorded = [decode_delta(f[b"d"]) for _, f in await redis.xrange(keys.delta_stream(rid)) if b"d" in f]
+        assert len(recorded) == 1 and isinstance(recorded[0], Error)
+        assert await redis.xlen(keys.DEAD_LETTER) == letters_before + 1
+        pending: Any = await redis.xpending(keys.REQUEST_STREAM, keys.WORKER_GROUP)
+        assert pending["pending"] == 0 and int(await redis.get(keys.INFLIGHT) or 0) == 0
+        assert (await redis.hget(keys.request_meta(rid), "status")) == b"finished"
+
+    run(redis_server, body)
