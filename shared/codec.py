@@ -35,6 +35,7 @@ from shared.ir import (
     Request,
     Role,
     SamplingParams,
+    TextCompletion,
     TextPart,
     Thinking,
     ToolCall,
@@ -145,7 +146,16 @@ def request_from_dict(doc: dict[str, Any]) -> Request:
     kwargs["prompt_token_ids"] = tuple(kwargs.get("prompt_token_ids", ()))
     kwargs["constraint"] = _constraint_from_dict(kwargs.get("constraint"))
     kwargs["thinking"] = Thinking(**{f.name: v for f in fields(Thinking) if (v := kwargs.get("thinking", {}).get(f.name)) is not None})
+    kwargs["completion"] = _completion_from_dict(kwargs.get("completion"))
     return Request(**kwargs)
+
+
+def _completion_from_dict(doc: dict[str, Any] | None) -> TextCompletion | None:
+    if doc is None:
+        return None
+    kwargs = {f.name: doc[f.name] for f in fields(TextCompletion) if f.name in doc}
+    kwargs["token_ids"] = tuple(kwargs.get("token_ids", ()))
+    return TextCompletion(**kwargs)
 
 
 def _constraint_from_dict(doc: dict[str, Any] | None) -> Constraint | None:

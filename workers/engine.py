@@ -120,7 +120,7 @@ class Engine:
         if calls_enabled(request) and self.tool_parser != "none":
             state.tools = HermesParser(f"call_{request.id}")
         grammar = grammar_for(request, tools=self.tool_parser != "none")
-        if self.think is not None:
+        if self.think is not None and request.completion is None:  # a raw completion's text is all answer
             thinking_budget = budget_for(request.thinking, self.max_thinking_tokens)
             state.span = ReasoningSpan(self.think, prompt=request.prompt_token_ids, budget=thinking_budget, force_open=grammar is not None and thinking_budget != 0)
             state.reasoning_detok = IncrementalDetokenizer(self.tokenizer)
