@@ -7,7 +7,20 @@ import pytest
 
 from shared.codec import CodecError, decode_delta, decode_request, encode_delta, encode_request
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, TokenLogprob, Usage
-from shared.ir import Constraint, ConstraintKind, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, ToolCall, ToolSpec
+from shared.ir import (
+    Constraint,
+    ConstraintKind,
+    ImagePart,
+    Message,
+    Protocol,
+    Request,
+    Role,
+    SamplingParams,
+    TextCompletion,
+    TextPart,
+    ToolCall,
+    ToolSpec,
+)
 
 from ..encoders.recorded import SCENARIOS
 
@@ -34,6 +47,17 @@ def test_a_full_request_round_trips() -> None:
         raw_body='{"x":1}',
     )
     assert decode_request(encode_request(request)) == request
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [TextCompletion(text="Once upon", echo=True, n=2, logprobs=0), TextCompletion(text="5 6", token_ids=(5, 6), prompt_index=3, logprobs=None)],
+    ids=["text prompt", "token-id prompt"],
+)
+def test_a_raw_completion_prompt_round_trips(completion: TextCompletion) -> None:
+    request = Request(id="c", protocol=Protocol.OPENAI_COMPLETIONS, model="m", messages=(), completion=completion, sampling=SamplingParams(n=4, logprobs=True))
+    decoded = decode_request(encode_request(request))
+    assert decoded == request and isinstance(decoded.completion, TextCompletion) and isinstance(decoded.completion.token_ids, tuple)
 
 
 @pytest.mark.parametrize("kind", list(ConstraintKind))
