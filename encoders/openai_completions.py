@@ -5,7 +5,8 @@ Pure: input is the request IR and its deltas, nothing else. Chunks share id/crea
 `stream_options.include_usage` every chunk has `usage: null` and a last one has `choices: []` and the
 usage; the stream ends with `data: [DONE]`. An Error delta becomes `data: {"error": {...}}` before
 `[DONE]`, as on chat. `echo` puts the prompt's text before the first generated text (the stream's
-first chunk). Logprobs take the legacy shape: `{tokens, token_logprobs, top_logprobs (one
+first chunk), and with logprobs the prompt's tokens lead the logprobs (the first one null, as
+OpenAI's are; from the worker's text-less first Content). Logprobs take the legacy shape: `{tokens, token_logprobs, top_logprobs (one
 token → logprob dict per position, the sampled token always in it, so up to k+1 entries), text_offset
 (each token's offset in the choice's text, the echoed prompt included)}`.
 
@@ -34,18 +35,30 @@ def _spec(request: Request) -> TextCompletion:
     return request.completion or TextCompletion()
 
 
-def legacy_logprobs(entries: tuple[TokenLogprob, ...] | list[TokenLogprob], *, offset: int, top: int) -> tuple[dict[str, Any], int]:
-    """The legacy logprobs object for these tokens, their text starting at `offset`; and the offset after them."""
+def legacy_logprobs(
+    entries: tuple[TokenLogprob, ...] | list[TokenLogprob], *, offset: int, top: int, prompt: tuple[TokenLogprob, ...] = ()
+) -> tuple[dict[str, Any], int]:
+    """The legacy logprobs object for these tokens, their text starting at `offset`; and the offset
+    after them. `prompt` (echo): the prompt's tokens first, from offset 0, the first with null
+    logprob and alternatives (nothing precedes it); then `entries` from `offset` (the prompt's length)."""
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    prompt_offset = 0
+    for i, e in enumerate(prompt):
+        _append(out, e, top=top, offset=prompt_offset, scored=i > 0)
+        prompt_offset += len(e.token)
     for e in entries:
-        alternatives = {t: max(lp, FLOOR) for t, _id, lp in e.top[:top]}
-        alternatives.setdefault(e.token, max(e.logprob, FLOOR))
-        out["tokens"].append(e.token)
-        out["token_logprobs"].append(max(e.logprob, FLOOR))
-        out["top_logprobs"].append(alternatives)
-        out["text_offset"].append(offset)
+        _append(out, e, top=top, offset=offset, scored=True)
         offset += len(e.token)
     return out, offset
+
+
+def _append(out: dict[str, list[Any]], e: TokenLogprob, *, top: int, offset: int, scored: bool) -> None:
+    alternatives = {t: max(lp, FLOOR) for t, _id, lp in e.top[:top]}
+    alternatives.setdefault(e.token, max(e.logprob, FLOOR))
+    out["tokens"].append(e.token)
+    out["token_logprobs"].append(max(e.logprob, FLOOR) if scored else None)
+    out["top_logprobs"].append(alternatives if scored else None)
+    out["text_offset"].append(offset)
 
 
 class CompletionStreamEncoder:
@@ -93,12 +106,13 @@ class CompletionStreamEncoder:
         return []  # no tools, reasoning or refusals on a raw completion: the worker writes none
 
     def _content(self, delta: Content) -> list[Frame]:
+        prompt = delta.prompt_logprobs if self._echo_pending else ()  # once: a resumed attempt may score the prompt again
         text = self._echo() + delta.text
         logprobs = None
         top = _spec(self._request).logprobs
-        if top is not None:
-            logprobs, self._offset = legacy_logprobs(delta.logprobs, offset=self._offset, top=top)
-        if not (text or delta.token_ids):
+        if top is not None and (prompt or delta.logprobs or text):
+            logprobs, self._offset = legacy_logprobs(delta.logprobs, offset=self._offset, top=top, prompt=prompt)
+        if not (text or delta.token_ids or logprobs):
             return []
         return [self._chunk(text, logprobs=logprobs, token_ids=delta.token_ids)]
 
@@ -117,6 +131,7 @@ class CompletionAccumulator:
         self.request = request
         self._text: list[str] = []
         self._logprobs: list[TokenLogprob] = []
+        self._prompt_logprobs: tuple[TokenLogprob, ...] = ()
         self._token_ids: list[int] = []
         self.finish: Finish | None = None
         self.error: Error | None = None
@@ -125,6 +140,7 @@ class CompletionAccumulator:
         if isinstance(delta, Content):
             self._text.append(delta.text)
             self._logprobs.extend(delta.logprobs)
+            self._prompt_logprobs = self._prompt_logprobs or delta.prompt_logprobs
         elif isinstance(delta, Finish):
             self.finish = delta
         elif isinstance(delta, Error):
@@ -143,7 +159,8 @@ class CompletionAccumulator:
     def choice(self, index: int) -> dict[str, Any]:
         spec = _spec(self.request)
         echo = spec.text if spec.echo else ""
-        logprobs = None if spec.logprobs is None else legacy_logprobs(self._logprobs, offset=len(echo), top=spec.logprobs)[0]
+        prompt = self._prompt_logprobs if spec.echo else ()
+        logprobs = None if spec.logprobs is None else legacy_logprobs(self._logprobs, offset=len(echo), top=spec.logprobs, prompt=prompt)[0]
         choice: dict[str, Any] = {"index": index, "text": echo + "".join(self._text), "logprobs": logprobs, "finish_reason": self.finish.reason.openai if self.finish else None}
         if self.request.return_token_ids:
             choice["prompt_token_ids"] = list(self.request.prompt_token_ids)

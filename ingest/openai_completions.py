@@ -1,9 +1,9 @@
 """OpenAI legacy Completions (`/v1/completions`) body → `Request` IR (pure; raises `ApiError` naming the bad parameter).
 
 Owns: the `prompt` forms (a string, a list of strings, a list of token ids, a list of lists of token
-ids: each prompt its own request, `per_prompt`), `echo`, the legacy integer `logprobs`, `best_of`,
+ids: each prompt its own request, `per_prompt`), `echo` (with `logprobs`, the prompt's own logprobs too), the legacy integer `logprobs`, `best_of`,
 and the refusals this server makes (`suffix`: the default model has no fill-in-the-middle format;
-`echo` with `logprobs`: prompt logprobs are not computed; streaming more than one prompt).
+streaming more than one prompt).
 Sampling fields are read by the chat parser's `sampling()`, shared by every OpenAI surface.
 Must not: tokenize (the renderer does, at `prepare`), or know wire formats of the answer (encoders/).
 
@@ -44,8 +44,6 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
     include_usage = _include_usage(body, stream)
     echo = f.boolean(body["echo"], "echo") if body.get("echo") is not None else False
     logprobs = f.integer(body["logprobs"], "logprobs", lo=0, hi=MAX_LOGPROBS) if body.get("logprobs") is not None else None
-    if echo and logprobs is not None:
-        raise invalid("'echo' together with 'logprobs' needs the prompt's logprobs, which this server does not compute.", "echo", "unsupported_value")
     general = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs", "max_completion_tokens", "max_tokens")}
     params = sampling(general, stream=stream)
     n = params.n
@@ -58,7 +56,14 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         protocol=Protocol.OPENAI_COMPLETIONS,
         model=model,
         messages=(),
-        sampling=replace(params, n=best_of, max_tokens=max_tokens, logprobs=logprobs is not None or best_of > n, top_logprobs=logprobs or 0),
+        sampling=replace(
+            params,
+            n=best_of,
+            max_tokens=max_tokens,
+            logprobs=logprobs is not None or best_of > n,
+            top_logprobs=logprobs or 0,
+            prompt_logprobs=logprobs if echo else None,  # echo + logprobs: the prompt's tokens are scored too
+        ),
         stream=stream,
         include_usage=include_usage,
         completion=_completion(prompts[0], echo=echo, index=0, n=n, logprobs=logprobs),

@@ -99,18 +99,18 @@ def delta_from_dict(doc: dict[str, Any]) -> StreamDelta:
         kwargs["usage"] = Usage(**kwargs["usage"])
     elif cls is Error:
         kwargs["kind"] = ErrorKind(kwargs.get("kind", ErrorKind.INTERNAL.value))
-    elif cls is Content and "logprobs" in kwargs:
-        kwargs["logprobs"] = tuple(
-            TokenLogprob(
-                token=lp["token"],
-                token_id=lp["token_id"],
-                logprob=lp["logprob"],
-                top=tuple(tuple(t) for t in lp.get("top", ())),
-            )
-            for lp in kwargs["logprobs"]
-        )
+    elif cls is Content:
+        for name in ("logprobs", "prompt_logprobs"):
+            if name in kwargs:
+                kwargs[name] = _logprobs_from_list(kwargs[name])
     delta: StreamDelta = cls(**kwargs)
     return delta
+
+
+def _logprobs_from_list(entries: list[dict[str, Any]]) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(token=lp["token"], token_id=lp["token_id"], logprob=lp["logprob"], top=tuple(tuple(t) for t in lp.get("top", ()))) for lp in entries
+    )
 
 
 def encode_request(request: Request) -> bytes:

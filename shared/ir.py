@@ -133,6 +133,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # the prompt's own logprobs, top k per position (None: not asked)
     n: int = 1
     ignore_eos: bool = False
 

@@ -96,6 +96,22 @@ def test_streamed_logprobs_have_offsets_that_run_on_across_chunks(api: openai.Op
     assert len(tokens) == 5 and offsets == [sum(len(t) for t in tokens[:i]) for i in range(5)]
 
 
+def test_echo_with_logprobs_scores_the_prompt_tokens_first_null(live_server: LiveServer, api: openai.OpenAI) -> None:
+    ids = tokens_of(live_server, PROMPT)
+    whole = api.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=3, echo=True, logprobs=1)
+    logprobs = whole.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs and logprobs.top_logprobs and logprobs.text_offset
+    assert len(logprobs.tokens) == len(ids) + 3 and "".join(logprobs.tokens) == whole.choices[0].text
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # type: ignore[comparison-overlap]
+    assert all(lp < 0 for lp in logprobs.token_logprobs[1:])
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    generated = api.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=3, logprobs=1)
+    assert generated.choices[0].logprobs is not None and generated.choices[0].logprobs.token_logprobs == logprobs.token_logprobs[len(ids) :]
+    streamed = list(api.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=3, echo=True, logprobs=1, stream=True))
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or []]
+    assert tokens == logprobs.tokens and "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+
+
 def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(api: openai.OpenAI) -> None:
     reply = api.completions.create(model=MODEL, prompt="My favourite colour is", best_of=4, n=2, temperature=1.0, seed=7, max_tokens=6)
     assert [c.index for c in reply.choices] == [0, 1]
@@ -118,7 +134,6 @@ def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(ap
         ({"prompt": [1, "two"]}, "prompt"),
         ({"prompt": [10**9]}, "prompt"),
         ({"prompt": PROMPT, "logprobs": 6}, "logprobs"),
-        ({"prompt": PROMPT, "logprobs": 1, "echo": True}, "echo"),
         ({"prompt": [PROMPT, PROMPT], "stream": True}, "prompt"),
         ({"prompt": PROMPT, "n": 2, "stream": True}, "n"),
         ({"prompt": PROMPT, "max_tokens": 8190}, "max_tokens"),

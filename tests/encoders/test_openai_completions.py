@@ -172,3 +172,47 @@ def test_an_error_is_kept_for_the_app_to_raise() -> None:
     acc = CompletionAccumulator(completion_request())
     acc.feed(Error(message="boom"))
     assert acc.error == Error(message="boom")
+
+
+PROMPT_SCORED = (lp("Say", 0.0), lp(":", -1.5, (":", -1.5), ("!", -0.5)))  # the worker's first, text-less Content
+
+
+def test_echo_with_logprobs_streams_the_prompts_tokens_first_the_first_one_null() -> None:
+    deltas: list[StreamDelta] = [
+        Content(text="", prompt_logprobs=PROMPT_SCORED),
+        Content(text="Hi", token_ids=(1,), logprobs=(lp("Hi", -0.1),)),
+        Content(text="", prompt_logprobs=PROMPT_SCORED),  # a resumed attempt that had emitted no token scores it again: ignored
+        Content(text="!", token_ids=(2,), logprobs=(lp("!", -0.2),)),
+        Finish(reason=FinishReason.STOP, usage=Usage(prompt_tokens=2, completion_tokens=2)),
+    ]
+    out = run(deltas, completion_request(echo=True, logprobs=1))
+    assert out == [
+        chunk("Say:", logprobs={"tokens": ["Say", ":"], "token_logprobs": [None, -1.5], "top_logprobs": [None, {":": -1.5}], "text_offset": [0, 3]}),
+        chunk("Hi", logprobs={"tokens": ["Hi"], "token_logprobs": [-0.1], "top_logprobs": [{"Hi": -0.1}], "text_offset": [4]}),
+        chunk("!", logprobs={"tokens": ["!"], "token_logprobs": [-0.2], "top_logprobs": [{"!": -0.2}], "text_offset": [6]}),
+        chunk("", "stop"),
+        "[DONE]",
+    ]
+
+
+def test_echo_with_logprobs_in_the_body_puts_the_prompts_tokens_first() -> None:
+    req = completion_request(echo=True, logprobs=2)
+    acc = CompletionAccumulator(req)
+    for delta in (
+        Content(text="", prompt_logprobs=PROMPT_SCORED),
+        Content(text="ab", token_ids=(1, 2), logprobs=(lp("a", -0.5), lp("b", -0.25))),
+        Finish(reason=FinishReason.STOP, usage=Usage(prompt_tokens=2, completion_tokens=2)),
+    ):
+        acc.feed(delta)
+    # OpenAI (and vLLM) send null for the first prompt token, which the SDK's List[float] leaves out: the
+    # SDK reads bodies without validating (construct_type), as here, and hands the nulls through
+    parsed = construct_type(type_=Completion, value=completion_body(req, [acc]))
+    assert isinstance(parsed, Completion)
+    choice = parsed.choices[0]
+    assert choice.text == "Say:ab" and choice.logprobs is not None
+    assert choice.logprobs.model_dump() == {
+        "tokens": ["Say", ":", "a", "b"],
+        "token_logprobs": [None, -1.5, -0.5, -0.25],
+        "top_logprobs": [None, {":": -1.5, "!": -0.5}, {"a": -0.5}, {"b": -0.25}],
+        "text_offset": [0, 3, 4, 5],
+    }

@@ -69,6 +69,11 @@ def test_legacy_logprobs_zero_asks_for_the_sampled_tokens_only() -> None:
     assert req.completion is not None and req.completion.logprobs == 0
 
 
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs_too() -> None:
+    assert parsed(echo=True, logprobs=3).sampling.prompt_logprobs == 3
+    assert parsed(logprobs=3).sampling.prompt_logprobs is None and parsed(echo=True).sampling.prompt_logprobs is None
+
+
 def test_stream_options_include_usage() -> None:
     assert parsed(stream=True, stream_options={"include_usage": True}).include_usage
 
@@ -123,7 +128,6 @@ def error_of(body: dict[str, Any]) -> ApiError:
         ({"logprobs": 6}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
-        ({"logprobs": 1, "echo": True}, "echo"),
         ({"n": 3, "best_of": 2}, "best_of"),
         ({"best_of": 2, "stream": True}, "best_of"),
         ({"best_of": 0}, "best_of"),

@@ -77,6 +77,8 @@ def test_every_recorded_delta_round_trips(scenario: str) -> None:
 def test_logprobs_and_error_kinds_round_trip() -> None:
     content = Content(text="a", token_ids=(1,), attempt=2, logprobs=(TokenLogprob(token="a", token_id=1, logprob=-0.5, top=(("a", 1, -0.5),)),))
     assert decode_delta(encode_delta(content)) == content
+    scored = Content(text="", prompt_logprobs=(TokenLogprob(token="The", token_id=504, logprob=0.0), TokenLogprob(token=" cat", token_id=9, logprob=-3.5, top=((" dog", 7, -1.0),))))
+    assert decode_delta(encode_delta(scored)) == scored
     error = Error(message="boom", kind=ErrorKind.TIMEOUT, attempt=3)
     assert decode_delta(encode_delta(error)) == error
 
