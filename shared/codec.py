@@ -71,6 +71,8 @@ def _asdict(obj: Any) -> dict[str, Any]:
 
 def encode_delta(delta: StreamDelta) -> bytes:
     doc = _asdict(delta)
+    if isinstance(delta, Content) and not delta.prompt_logprobs:
+        del doc["prompt_logprobs"]  # on one delta of the few requests that ask; every other event stays as it was
     doc["v"] = VERSION
     doc["t"] = _DELTA_TAGS[type(delta)]
     return orjson.dumps(doc)

@@ -79,6 +79,7 @@ def test_logprobs_and_error_kinds_round_trip() -> None:
     assert decode_delta(encode_delta(content)) == content
     scored = Content(text="", prompt_logprobs=(TokenLogprob(token="The", token_id=504, logprob=0.0), TokenLogprob(token=" cat", token_id=9, logprob=-3.5, top=((" dog", 7, -1.0),))))
     assert decode_delta(encode_delta(scored)) == scored
+    assert "prompt_logprobs" not in orjson.loads(encode_delta(content))  # absent unless carried
     error = Error(message="boom", kind=ErrorKind.TIMEOUT, attempt=3)
     assert decode_delta(encode_delta(error)) == error
 
