@@ -93,9 +93,10 @@ class Api:
         prompt = self.renderer.render(request)
         limit = self.renderer.info.max_model_len
         if len(prompt) >= limit:
+            where = "messages" if request.completion is None else "prompt"
             raise invalid(
-                f"This model's maximum context length is {limit} tokens. However, your messages resulted in {len(prompt)} tokens.",
-                "messages",
+                f"This model's maximum context length is {limit} tokens. However, your {where} resulted in {len(prompt)} tokens.",
+                where,
                 "context_length_exceeded",
             )
         max_tokens = request.sampling.max_tokens

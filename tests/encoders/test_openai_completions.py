@@ -11,6 +11,7 @@ from openai.types import Completion
 
 from encoders.frames import Frame
 from encoders.openai_completions import CompletionAccumulator, CompletionStreamEncoder, completion_body
+from encoders.reencode import encode_frames
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, StreamDelta, TokenLogprob, Usage
 from shared.ir import Protocol, Request, SamplingParams, TextCompletion
 
@@ -216,3 +217,8 @@ def test_echo_with_logprobs_in_the_body_puts_the_prompts_tokens_first() -> None:
         "top_logprobs": [None, {":": -1.5, "!": -0.5}, {"a": -0.5}, {"b": -0.25}],
         "text_offset": [0, 3, 4, 5],
     }
+
+
+def test_a_recorded_stream_re_encodes_as_a_completion() -> None:
+    frames = encode_frames(completion_request(echo=True), SCENARIOS["plain_text"], Protocol.OPENAI_COMPLETIONS)
+    assert [json.loads(f.data)["choices"][0]["text"] for f in frames[:-1]] == ["Say:Hello", ", world", ""] and frames[-1].data == "[DONE]"
