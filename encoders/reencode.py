@@ -10,6 +10,7 @@ from typing import Any
 from encoders.anthropic_messages import MessagesStreamEncoder
 from encoders.frames import Frame
 from encoders.openai_chat import ChatStreamEncoder
+from encoders.openai_completions import CompletionStreamEncoder
 from encoders.openai_responses import ResponsesStreamEncoder
 from shared.deltas import StreamDelta
 from shared.ir import Protocol, Request
@@ -18,6 +19,7 @@ STREAM_ENCODERS: dict[Protocol, Callable[[Request], Any]] = {
     Protocol.OPENAI_CHAT: ChatStreamEncoder,
     Protocol.ANTHROPIC_MESSAGES: MessagesStreamEncoder,
     Protocol.OPENAI_RESPONSES: ResponsesStreamEncoder,
+    Protocol.OPENAI_COMPLETIONS: CompletionStreamEncoder,
 }
 
 

@@ -31,10 +31,11 @@ from redis.exceptions import RedisError
 
 from encoders import anthropic_messages as messages_enc
 from encoders import openai_chat as chat_enc
+from encoders import openai_completions as completions_enc
 from encoders import openai_responses as response_enc
 from encoders.frames import Frame
 from encoders.wire import ClientLink, StreamEncoder, collect, sse_events, tail
-from ingest import anthropic_messages, openai_chat, openai_responses, responses_store, resume
+from ingest import anthropic_messages, openai_chat, openai_completions, openai_responses, responses_store, resume, tokenize
 from ingest.auth import ANONYMOUS, Authenticator
 from ingest.batch_dispatch import BatchDispatcher
 from ingest.batch_routes import BatchLines, BatchRoutes
@@ -94,9 +95,10 @@ class Api:
         prompt = self.renderer.render(request)
         limit = self.renderer.info.max_model_len
         if len(prompt) >= limit:
+            where = "messages" if request.completion is None else "prompt"
             raise invalid(
-                f"This model's maximum context length is {limit} tokens. However, your messages resulted in {len(prompt)} tokens.",
-                "messages",
+                f"This model's maximum context length is {limit} tokens. However, your {where} resulted in {len(prompt)} tokens.",
+                where,
                 "context_length_exceeded",
             )
         max_tokens = request.sampling.max_tokens
@@ -216,9 +218,24 @@ class Api:
     async def metrics_text(self, http: HttpRequest) -> Response:
         return Response(200, [(b"Cache-Control", b"no-cache")], Content(CONTENT_TYPE.encode(), await self.metrics.render()))
 
+    def card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "metrale", "max_model_len": self.renderer.info.max_model_len}
+
     async def models(self, http: HttpRequest) -> Response:
-        card = {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "metrale", "max_model_len": self.renderer.info.max_model_len}
-        return json_response({"object": "list", "data": [card]})
+        return json_response({"object": "list", "data": [self.card()]})
+
+    async def model(self, http: HttpRequest) -> Response:
+        """One model card (`GET /v1/models/{model}`); 404 in OpenAI's shape for any other name."""
+        name = _route_value(http, "tail")
+        if name != self.model_name:
+            raise ApiError(f"The model '{name}' does not exist.", status=404, param="model", kind="not_found", code="model_not_found")
+        return json_response(self.card())
+
+    async def tokenize(self, http: HttpRequest) -> Response:
+        return json_response(tokenize.tokenize(self.renderer, await self.read_json(http)))
+
+    async def detokenize(self, http: HttpRequest) -> Response:
+        return json_response(tokenize.detokenize(self.renderer, await self.read_json(http)))
 
     async def count_tokens(self, http: HttpRequest) -> Response:
         request = anthropic_messages.parse_count_tokens(await self.read_json(http), request_id=new_id(), created=time.time())
@@ -262,8 +279,9 @@ class Api:
             return await self.resume(http, surface, *point)
         body = await self.read_json(http)
         request, store = await surface.session(self.redis, self.settings, body, surface.parse(body, request_id=new_id(), created=time.time()))
-        request = self.prepare(request, body)
-        parts = fan_out(request)
+        requests = [self.prepare(r, body) for r in surface.expand(body, request, self.renderer)]
+        request = requests[0]
+        parts = [part for r in requests for part in fan_out(r)]
         await self.charge(http, parts)
         await self.publish(parts)
         background = surface.background(body)
@@ -335,6 +353,7 @@ class Surface:
     combine: Callable[[Request, list[Any]], dict[str, Any]] = lambda _request, accs: accs[0].body()
     session: Callable[[Redis, Settings, Any, Request], Awaitable[tuple[Request, Saver | None]]] = _no_session
     background: Callable[[Any], bool] = lambda _body: False  # answered at once, generated detached from the client
+    expand: Callable[[Any, Request, PromptRenderer], list[Request]] = lambda _body, request, _renderer: [request]  # e.g. one request per prompt
 
 
 CHAT = Surface(
@@ -362,7 +381,16 @@ RESPONSES = Surface(
     session=responses_store.begin,
     background=lambda body: isinstance(body, dict) and openai_responses.background_flag(body),
 )
-SURFACES = (CHAT, MESSAGES, RESPONSES)
+COMPLETIONS = Surface(
+    protocol=Protocol.OPENAI_COMPLETIONS,
+    path=openai_completions.ENDPOINT,
+    parse=openai_completions.parse,
+    stream_encoder=completions_enc.CompletionStreamEncoder,
+    accumulator=completions_enc.CompletionAccumulator,
+    combine=completions_enc.completion_body,
+    expand=lambda body, request, renderer: openai_completions.per_prompt(body, request, renderer.decode),
+)
+SURFACES = (CHAT, MESSAGES, RESPONSES, COMPLETIONS)
 
 
 def _bind(handler: Callable[[HttpRequest, Surface], Awaitable[Response]], surface: Surface) -> Handler:
@@ -470,6 +498,9 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     app.router.add_get("/ready", guarded(api, Protocol.OPENAI_CHAT, api.ready, public=True))
     app.router.add_get("/metrics", guarded(api, Protocol.OPENAI_CHAT, api.metrics_text))
     app.router.add_get("/v1/models", guarded(api, Protocol.OPENAI_CHAT, api.models))
+    app.router.add_get("/v1/models/*", guarded(api, Protocol.OPENAI_CHAT, api.model))
+    app.router.add_post("/tokenize", guarded(api, Protocol.OPENAI_CHAT, api.tokenize))
+    app.router.add_post("/detokenize", guarded(api, Protocol.OPENAI_CHAT, api.detokenize))
     for surface in SURFACES:
         app.router.add_post(surface.path, guarded(api, surface.protocol, _bind(api.generate, surface)))
     app.router.add_post("/v1/messages/count_tokens", guarded(api, Protocol.ANTHROPIC_MESSAGES, api.count_tokens))

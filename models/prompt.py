@@ -1,4 +1,5 @@
-"""Render the IR's messages to prompt token ids with the model's own chat template.
+"""Render the IR's messages to prompt token ids with the model's own chat template (or, for a raw
+`TextCompletion` prompt, tokenize it as it is).
 
 Owns: IR messages/tools → the dicts transformers' `apply_chat_template` expects, then tokenization;
 the generation-config sampling defaults; the stop token ids. Used by ingest (to count, check the
@@ -24,6 +25,7 @@ from typing import Any
 
 from models.reasoning import takes_enable_thinking
 from models.tools import call_text, calls_enabled, template_tool, tools_prompt
+from shared.errors import invalid
 from shared.ir import Message, Request, Role, ToolCall, ToolKind, ToolSpec
 
 
@@ -86,15 +88,51 @@ class PromptRenderer:
         return cls(tokenizer, info)
 
     def render(self, request: Request) -> list[int]:
-        """`tool_choice: none` renders no tools (the model never calls); see `models.tools` for the format."""
+        """`tool_choice: none` renders no tools (the model never calls); see `models.tools` for the format.
+        A raw `completion` prompt skips the template: its token ids as given, or its text tokenized."""
+        if request.completion is not None:
+            if request.completion.token_ids:
+                return self.check_ids(request.completion.token_ids, "prompt")
+            return self.tokenize_text(request.completion.text)
         return self.render_messages(request.messages, request.tools if calls_enabled(request) else (), thinking=request.thinking.enabled)
 
-    def render_messages(self, messages: tuple[Message, ...], tools: tuple[ToolSpec, ...] = (), *, thinking: bool | None = None) -> list[int]:
-        """`thinking` (None: the template's default) reaches templates that take `enable_thinking`."""
+    def tokenize_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Raw text → ids, special-token strings included as the specials they spell (the client wrote
+        the whole prompt); `add_special_tokens` adds what the tokenizer adds by default (a BOS, for some)."""
+        ids: list[int] = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return ids
+
+    def check_ids(self, token_ids: tuple[int, ...] | list[int], param: str) -> list[int]:
+        """The ids, or `ApiError` naming `param` when one is not in this tokenizer's vocabulary."""
+        size = len(self.tokenizer)
+        bad = next((t for t in token_ids if not 0 <= t < size), None)
+        if bad is not None:
+            raise invalid(f"Invalid '{param}': token id {bad} is out of vocabulary (0 to {size - 1}).", param, "invalid_token_id")
+        return list(token_ids)
+
+    def decode(self, token_ids: tuple[int, ...] | list[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids)))
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary's own spelling of each token (byte-level pieces such as `Ġworld`), as vLLM returns them."""
+        return [str(t) for t in self.tokenizer.convert_ids_to_tokens(token_ids)]
+
+    def render_messages(
+        self,
+        messages: tuple[Message, ...],
+        tools: tuple[ToolSpec, ...] = (),
+        *,
+        thinking: bool | None = None,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """`thinking` (None: the template's default) reaches templates that take `enable_thinking`.
+        `add_special_tokens` adds the tokenizer's own BOS/EOS around the rendered text (vLLM's
+        /tokenize flag; templates usually write their own, so it is off by default)."""
         escape = _Escape(self._specials)
         native = _mentions_tools(self.tokenizer)
         conversation = escape([_message_dict(m) if native else _fallback_dict(m) for m in messages])
-        kwargs: dict[str, Any] = {"add_generation_prompt": True, "tokenize": False}
+        kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt, "tokenize": False}
         if thinking is not None and takes_enable_thinking(self.tokenizer):
             kwargs["enable_thinking"] = thinking
         if tools and native:
@@ -103,9 +141,17 @@ class PromptRenderer:
             conversation = _with_tools_in_system(conversation, escape(tools_prompt(tools)))
         text = self.tokenizer.apply_chat_template(conversation, **kwargs)
         if not escape.used:
-            ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids: list[int] = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
             return ids
-        return self._tokenize_escaped(text, escape)
+        ids = self._tokenize_escaped(text, escape)
+        return self._with_special_tokens(ids) if add_special_tokens else ids
+
+    def _with_special_tokens(self, ids: list[int]) -> list[int]:
+        """What the tokenizer adds around any text (found by tokenizing one letter both ways) around `ids`."""
+        bare: list[int] = self.tokenizer("a", add_special_tokens=False)["input_ids"]
+        full: list[int] = self.tokenizer("a", add_special_tokens=True)["input_ids"]
+        start = next(i for i in range(len(full)) if full[i : i + len(bare)] == bare)
+        return full[:start] + ids + full[start + len(bare) :]
 
     def _tokenize_escaped(self, text: str, escape: _Escape) -> list[int]:
         """Template special tokens → their ids; the text between them, sentinels restored, → text tokens."""

@@ -35,6 +35,7 @@ from shared.ir import (
     Request,
     Role,
     SamplingParams,
+    TextCompletion,
     TextPart,
     Thinking,
     ToolCall,
@@ -77,6 +78,8 @@ def _asdict(obj: Any) -> dict[str, Any]:
 
 def encode_delta(delta: StreamDelta) -> bytes:
     doc = _asdict(delta)
+    if isinstance(delta, Content) and not delta.prompt_logprobs:
+        del doc["prompt_logprobs"]  # on one delta of the few requests that ask; every other event stays as it was
     doc["v"] = VERSION
     doc["t"] = _DELTA_TAGS[type(delta)]
     return orjson.dumps(doc)
@@ -105,18 +108,18 @@ def delta_from_dict(doc: dict[str, Any]) -> StreamDelta:
         kwargs["usage"] = _known(Usage, kwargs["usage"])
     elif cls is Error:
         kwargs["kind"] = ErrorKind(kwargs.get("kind", ErrorKind.INTERNAL.value))
-    elif cls is Content and "logprobs" in kwargs:
-        kwargs["logprobs"] = tuple(
-            TokenLogprob(
-                token=lp["token"],
-                token_id=lp["token_id"],
-                logprob=lp["logprob"],
-                top=tuple(tuple(t) for t in lp.get("top", ())),
-            )
-            for lp in kwargs["logprobs"]
-        )
+    elif cls is Content:
+        for name in ("logprobs", "prompt_logprobs"):
+            if name in kwargs:
+                kwargs[name] = _logprobs_from_list(kwargs[name])
     delta: StreamDelta = cls(**kwargs)
     return delta
+
+
+def _logprobs_from_list(entries: list[dict[str, Any]]) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(token=lp["token"], token_id=lp["token_id"], logprob=lp["logprob"], top=tuple(tuple(t) for t in lp.get("top", ()))) for lp in entries
+    )
 
 
 def encode_request(request: Request) -> bytes:
@@ -152,6 +155,7 @@ def request_from_dict(doc: dict[str, Any]) -> Request:
     kwargs["prompt_token_ids"] = tuple(kwargs.get("prompt_token_ids", ()))
     kwargs["constraint"] = _constraint_from_dict(kwargs.get("constraint"))
     kwargs["thinking"] = Thinking(**{f.name: v for f in fields(Thinking) if (v := kwargs.get("thinking", {}).get(f.name)) is not None})
+    kwargs["completion"] = _completion_from_dict(kwargs.get("completion"))
     return Request(**kwargs)
 
 
@@ -167,6 +171,14 @@ def _tool_from_dict(doc: dict[str, Any]) -> ToolSpec:
 
 def _tool_call_from_dict(doc: dict[str, Any]) -> ToolCall:
     return ToolCall(id=doc["id"], name=doc["name"], arguments=doc["arguments"], kind=ToolKind(doc.get("kind", ToolKind.FUNCTION.value)))
+
+
+def _completion_from_dict(doc: dict[str, Any] | None) -> TextCompletion | None:
+    if doc is None:
+        return None
+    kwargs = {f.name: doc[f.name] for f in fields(TextCompletion) if f.name in doc}
+    kwargs["token_ids"] = tuple(kwargs.get("token_ids", ()))
+    return TextCompletion(**kwargs)
 
 
 def _constraint_from_dict(doc: dict[str, Any] | None) -> Constraint | None:

@@ -137,10 +137,15 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Content:
+    """Answer text. `prompt_logprobs` (asked by `SamplingParams.prompt_logprobs`) rides on a first,
+    text-less Content written when the request is admitted: one entry per prompt token, the first of
+    which has nothing before it (its `logprob` is 0.0 and means nothing; encoders show null)."""
+
     text: str
     token_ids: tuple[int, ...] = ()
     attempt: int = 1
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

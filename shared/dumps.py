@@ -169,7 +169,7 @@ def terminal_label(deltas: Sequence[StreamDelta], protocol: Protocol | None = No
         return "error" if protocol else f"error:{last.kind.value}"
     if not isinstance(last, Finish):
         return "unfinished"
-    if protocol is Protocol.OPENAI_CHAT:
+    if protocol in (Protocol.OPENAI_CHAT, Protocol.OPENAI_COMPLETIONS):
         return last.reason.openai
     if protocol is Protocol.ANTHROPIC_MESSAGES:
         return last.reason.anthropic

@@ -17,6 +17,7 @@ class Protocol(enum.StrEnum):
     OPENAI_CHAT = "openai_chat"
     ANTHROPIC_MESSAGES = "anthropic_messages"
     OPENAI_RESPONSES = "openai_responses"
+    OPENAI_COMPLETIONS = "openai_completions"
 
 
 class Role(enum.StrEnum):
@@ -146,6 +147,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # the prompt's own logprobs, top k per position (None: not asked)
     n: int = 1
     ignore_eos: bool = False
 
@@ -192,11 +194,33 @@ class Thinking:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TextCompletion:
+    """A prompt used as the client gave it, with no chat template (legacy `/v1/completions`), and what
+    that protocol adds on top of sampling.
+
+    The prompt is `text` or `token_ids`: text is tokenized with the tokenizer's own special tokens (a
+    BOS where the tokenizer adds one by default, as vLLM does), token ids are used as they are. For a
+    token-id prompt with `echo`, ingest fills `text` with their decoding, so the encoder can echo it.
+    `prompt_index` places the prompt in the client's list. `n` is how many choices the client gets;
+    `sampling.n` is `best_of`, the candidates generated, and the `n` with the highest cumulative
+    logprob are returned. `logprobs` is the legacy integer (None: not asked; `best_of` alone turns
+    `sampling.logprobs` on to rank the candidates, and they are not shown).
+    """
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    echo: bool = False
+    prompt_index: int = 0
+    n: int = 1
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
     """One accepted request, as every role sees it.
 
-    `prompt_token_ids` is filled by ingest after rendering the chat template, so a worker never
-    re-renders and a recorded request replays exactly. `raw_body` keeps the client's JSON (secrets
+    `prompt_token_ids` is filled by ingest after rendering the chat template (or the raw prompt of a
+    `completion`, which has no messages), so a worker never re-renders and a recorded request replays exactly. `raw_body` keeps the client's JSON (secrets
     never live in bodies we accept; headers are not recorded).
     """
 
@@ -212,6 +236,7 @@ class Request:
     parallel_tool_calls: bool = True
     constraint: Constraint | None = None
     thinking: Thinking = field(default_factory=Thinking)
+    completion: TextCompletion | None = None
     return_token_ids: bool = False
     priority: int = 0
     created: float = 0.0

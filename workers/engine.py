@@ -2,7 +2,8 @@
 
 Owns: turning sampled token ids into `StreamDelta`s (incremental detokenization, stop strings held
 back and never emitted, EOS / stop-token / max-token / deadline finishes, usage), and the figures
-the worker reports (batch sizes, token counts). Must not: touch Redis (workers.loop does) or torch
+the worker reports (batch sizes, token counts); a request's prompt logprobs, from the injected
+`score_prompt` (workers/prompt_logprobs.py), as its first delta. Must not: touch Redis (workers.loop does) or torch
 (the injected runner does).
 
 Constrained requests (`models.grammar.grammar_for`) get an llguidance matcher on their `Sequence`:
@@ -35,6 +36,9 @@ from workers.reasoning import Channel, ReasoningSpan
 from workers.scheduler import Sampled, Scheduler, Sequence, StepPlan
 from workers.tool_parsers import ToolParser
 from workers.tools import make_parser
+
+# (prompt ids, top k) → for positions 1..L-1: (logprob, top (id, logprob) pairs); workers/prompt_logprobs.py
+PromptScorer = Callable[[list[int], int], list[tuple[float, tuple[tuple[int, float], ...]]]]
 
 
 class Runner(Protocol):
@@ -107,11 +111,27 @@ class Engine:
         self.think = think_format(tokenizer, settings.reasoning_parser)
         self.max_thinking_tokens = settings.max_thinking_tokens
         self.sealer: Sealer | None = None  # set by the worker from the deployment's key (shared.seal)
+        self.score_prompt: PromptScorer | None = None  # set by the worker: workers.prompt_logprobs on its model
 
     def add(self, request: Request, *, attempt: int = 1, resume: tuple[int, ...] = ()) -> list[Emission]:
         """Queue a request. `resume` holds the tokens an earlier attempt already emitted: they are
         re-prefilled with the prompt (recompute) and generation continues after them, so the client
-        sees no gap and no repeat. Returns the terminal emission when nothing is left to generate."""
+        sees no gap and no repeat. Returns the terminal emission when nothing is left to generate, and
+        first, for a request that asks, its prompt logprobs (not again on a resume: they went out
+        before the first token did)."""
+        emissions = self._admit(request, attempt=attempt, resume=resume)
+        top = request.sampling.prompt_logprobs
+        if top is None or resume or (emissions and isinstance(emissions[0].delta, Error)):
+            return emissions
+        if self.score_prompt is None:
+            self.discard(request.id)
+            return [Emission(request.id, Error(message="This worker cannot compute prompt logprobs.", kind=ErrorKind.INVALID_REQUEST, attempt=attempt))]
+        prompt = list(request.prompt_token_ids)
+        scored = [(0.0, ()), *self.score_prompt(prompt, top)]  # the first token has nothing before it
+        entries = tuple(self._logprob(token, lp, alternatives) for token, (lp, alternatives) in zip(prompt, scored, strict=True))
+        return [Emission(request.id, Content(text="", attempt=attempt, prompt_logprobs=entries)), *emissions]
+
+    def _admit(self, request: Request, *, attempt: int, resume: tuple[int, ...]) -> list[Emission]:
         request = _with_resolved_sampling(request, self.info)
         pool_tokens = self.scheduler.pool.num_tokens
         if len(request.prompt_token_ids) >= pool_tokens:
@@ -127,7 +147,7 @@ class Engine:
         if calls and self.tool_format is not None:
             state.tools = make_parser(for_request(self.tool_format, request), f"call_{request.id}")
         grammar = grammar_for(request, self.tool_format, self._special)
-        if self.think is not None:
+        if self.think is not None and request.completion is None:  # a raw completion's text is all answer
             thinking_budget = budget_for(request.thinking, self.max_thinking_tokens)
             state.span = ReasoningSpan(self.think, prompt=request.prompt_token_ids, budget=thinking_budget, force_open=grammar is not None and thinking_budget != 0)
             state.reasoning_detok = IncrementalDetokenizer(self.tokenizer)
@@ -240,7 +260,7 @@ class Engine:
         token = forced if forced is not None else token  # a reasoning budget's forced close replaces the sample
         seq.output.append(token)
         if sampled.logprob is not None and forced is None:
-            state.pending_logprobs.append(self._logprob(sampled))
+            state.pending_logprobs.append(self._logprob(sampled.token, sampled.logprob, sampled.top))
         channel = span.route(token) if span is not None else Channel.ANSWER
         if channel is Channel.ANSWER and seq.grammar is not None and not seq.grammar.consume_token(token):
             return [self._fail(seq, f"The output reached a dead end of its constraint: {_first_line(seq.grammar.get_error())}")]
@@ -270,13 +290,12 @@ class Engine:
             out.append(self._finish(seq, FinishReason.LENGTH))
         return out
 
-    def _logprob(self, sampled: Sampled) -> TokenLogprob:
+    def _logprob(self, token: int, logprob: float, alternatives: tuple[tuple[int, float], ...]) -> TokenLogprob:
         def text(token_id: int) -> str:
             return str(self.tokenizer.decode([token_id]))
 
-        assert sampled.logprob is not None
-        top = tuple((text(t), t, lp) for t, lp in sampled.top)
-        return TokenLogprob(token=text(sampled.token), token_id=sampled.token, logprob=sampled.logprob, top=top)
+        top = tuple((text(t), t, lp) for t, lp in alternatives)
+        return TokenLogprob(token=text(token), token_id=token, logprob=logprob, top=top)
 
     def _emit_reasoning(self, seq: Sequence, token: int | None, out: list[Emission]) -> None:
         """A reasoning token's text → a Reasoning delta; a marker closing the span → the sealed delta,

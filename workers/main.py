@@ -9,6 +9,7 @@ import secrets
 import signal
 import socket
 from dataclasses import replace
+from functools import partial
 
 from redis.asyncio import Redis
 
@@ -25,6 +26,7 @@ log = logging.getLogger("met.worker")
 
 
 def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
+    from workers.prompt_logprobs import score_prompt
     from workers.runner import TorchRunner, load_model, pick_device, pick_dtype
 
     name, folder = local_folder(settings.model, settings.model_cache)
@@ -48,6 +50,7 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         renderer.info,
         settings=settings,
     )
+    engine.score_prompt = partial(score_prompt, model, device=device)  # echo + logprobs on legacy completions
     info = {
         "model": settings.served_model_name or name,
         "device": str(device),

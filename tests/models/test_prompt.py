@@ -4,12 +4,15 @@ client text stay text (no forged turns), and a normal conversation tokenizes exa
 from __future__ import annotations
 
 import os
+from dataclasses import replace
+from typing import Any, ClassVar
 
 import pytest
 
 from models.files import local_folder
-from models.prompt import PromptRenderer, _Escape
-from shared.ir import Message, Role, TextPart, ToolCall, ToolSpec
+from models.prompt import ModelInfo, PromptRenderer, _Escape
+from shared.errors import ApiError
+from shared.ir import Message, Protocol, Request, Role, TextCompletion, TextPart, ToolCall, ToolSpec
 from shared.settings import Settings
 
 pytestmark = pytest.mark.model
@@ -136,3 +139,54 @@ def test_custom_tools_are_offered_with_their_input_format_and_past_calls_render_
     assert '{"name": "note", "description": "", "input": "free text"}' in system
     assert '<tool_call>{"name": "<tool name>"}\n<the input, as is></tool_call>' in system
     assert '<|im_start|>assistant\n<tool_call>{"name": "send_to"}\nab@x.com "quoted"</tool_call><|im_end|>' in text
+
+
+def test_a_raw_completion_prompt_skips_the_template_and_its_special_strings_are_specials(renderer: PromptRenderer) -> None:
+    start, end = special_ids(renderer)
+    raw = Request(id="r", protocol=Protocol.OPENAI_COMPLETIONS, model="m", messages=(), completion=TextCompletion(text="<|im_start|>user\nHi<|im_end|>"))
+    ids = renderer.render(raw)
+    assert ids[0] == start and ids[-1] == end and ids.count(start) == 1  # the client wrote the whole prompt
+    assert renderer.render(replace(raw, completion=TextCompletion(text="Hello world"))) == renderer.tokenizer("Hello world")["input_ids"]
+
+
+def test_a_token_id_prompt_is_used_as_given_and_out_of_vocabulary_ids_are_refused(renderer: PromptRenderer) -> None:
+    raw = Request(id="r", protocol=Protocol.OPENAI_COMPLETIONS, model="m", messages=(), completion=TextCompletion(token_ids=(5, 0, 49151)))
+    assert renderer.render(raw) == [5, 0, 49151]
+    with pytest.raises(ApiError) as caught:
+        renderer.render(replace(raw, completion=TextCompletion(token_ids=(5, 49152))))
+    assert caught.value.param == "prompt" and "49152" in caught.value.message
+
+
+def test_without_the_generation_prompt_the_render_ends_after_the_last_turn(renderer: PromptRenderer) -> None:
+    with_prompt = renderer.render_messages((message(Role.USER, "Hi"),))
+    without = renderer.render_messages((message(Role.USER, "Hi"),), add_generation_prompt=False)
+    assert with_prompt[: len(without)] == without and renderer.tokenizer.decode(with_prompt[len(without) :]) == "<|im_start|>assistant\n"
+
+
+class _BosTokenizer:
+    """A tokenizer that, like Llama's, adds a BOS (id 1) by default: one id per character otherwise."""
+
+    chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    all_special_tokens: ClassVar[list[str]] = ["<s>"]
+    added_tokens_decoder: ClassVar[dict[int, Any]] = {}
+
+    def __call__(self, text: Any, *, add_special_tokens: bool = True, split_special_tokens: bool = False) -> dict[str, Any]:
+        def one(t: str) -> list[int]:
+            return ([1] if add_special_tokens else []) + [ord(c) for c in t]
+
+        return {"input_ids": [one(t) for t in text] if isinstance(text, list) else one(text)}
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **_: Any) -> str:
+        return "".join(f"[{m['content']}]" for m in conversation)
+
+    def convert_tokens_to_ids(self, tokens: list[str]) -> list[int]:
+        return [1 for _ in tokens]
+
+
+def test_add_special_tokens_adds_the_tokenizers_bos_on_both_render_paths() -> None:
+    bos = PromptRenderer(_BosTokenizer(), ModelInfo(name="m", max_model_len=64, eos_token_ids=(2,), sampling_defaults={}))
+    assert bos.tokenize_text("ab") == [1, 97, 98] and bos.tokenize_text("ab", add_special_tokens=False) == [97, 98]
+    assert bos.render_messages((message(Role.USER, "a"),)) == [ord(c) for c in "[a]"]
+    assert bos.render_messages((message(Role.USER, "a"),), add_special_tokens=True) == [1, *(ord(c) for c in "[a]")]
+    escaped = bos.render_messages((message(Role.USER, "a<s>"),), add_special_tokens=True)  # the escape path: client text spelling a special
+    assert escaped == [1, *(ord(c) for c in "[a<s>]")]

@@ -16,6 +16,7 @@ from shared.ir import (
     Request,
     Role,
     SamplingParams,
+    TextCompletion,
     TextPart,
     ToolCall,
     ToolKind,
@@ -56,6 +57,17 @@ def test_a_full_request_round_trips() -> None:
     assert decoded.tools[1].kind is ToolKind.CUSTOM and decoded.messages[-1].tool_calls[0].kind is ToolKind.CUSTOM
 
 
+@pytest.mark.parametrize(
+    "completion",
+    [TextCompletion(text="Once upon", echo=True, n=2, logprobs=0), TextCompletion(text="5 6", token_ids=(5, 6), prompt_index=3, logprobs=None)],
+    ids=["text prompt", "token-id prompt"],
+)
+def test_a_raw_completion_prompt_round_trips(completion: TextCompletion) -> None:
+    request = Request(id="c", protocol=Protocol.OPENAI_COMPLETIONS, model="m", messages=(), completion=completion, sampling=SamplingParams(n=4, logprobs=True))
+    decoded = decode_request(encode_request(request))
+    assert decoded == request and isinstance(decoded.completion, TextCompletion) and isinstance(decoded.completion.token_ids, tuple)
+
+
 @pytest.mark.parametrize("kind", list(ConstraintKind))
 def test_every_constraint_kind_round_trips(kind: ConstraintKind) -> None:
     constraint = Constraint(kind=kind, text='{"type":"object"}', param="response_format")
@@ -73,6 +85,9 @@ def test_every_recorded_delta_round_trips(scenario: str) -> None:
 def test_logprobs_and_error_kinds_round_trip() -> None:
     content = Content(text="a", token_ids=(1,), attempt=2, logprobs=(TokenLogprob(token="a", token_id=1, logprob=-0.5, top=(("a", 1, -0.5),)),))
     assert decode_delta(encode_delta(content)) == content
+    scored = Content(text="", prompt_logprobs=(TokenLogprob(token="The", token_id=504, logprob=0.0), TokenLogprob(token=" cat", token_id=9, logprob=-3.5, top=((" dog", 7, -1.0),))))
+    assert decode_delta(encode_delta(scored)) == scored
+    assert "prompt_logprobs" not in orjson.loads(encode_delta(content))  # absent unless carried
     error = Error(message="boom", kind=ErrorKind.TIMEOUT, attempt=3)
     assert decode_delta(encode_delta(error)) == error
 

@@ -20,6 +20,7 @@ from shared.dumps import (
     record_from_dict,
     record_to_dict,
     record_to_line,
+    terminal_label,
 )
 from shared.ir import Message, Protocol, Role, SamplingParams, TextPart, ToolCall
 from shared.redact import REDACTED
@@ -207,3 +208,8 @@ def test_a_stream_cut_before_its_terminal_event_ends_as_a_cut_stream() -> None:
     rec = record("plain_text", Protocol.ANTHROPIC_MESSAGES)
     events = frames(encode_sse(rec.request, rec.deltas[:2], Protocol.ANTHROPIC_MESSAGES))
     assert events[-1][0] == "error"
+
+
+def test_a_completions_outcome_is_said_in_openai_words() -> None:
+    deltas = SCENARIOS["stop_sequence"]
+    assert terminal_label(deltas, Protocol.OPENAI_COMPLETIONS) == "stop" and terminal_label(deltas) == "stop_sequence"
