@@ -8,7 +8,8 @@ construction. Every event has `type` and a `sequence_number` from 0 (the stream 
 and ids derived from the request id and index (`msg_…`, `fc_…`, `rs_…`); each item is added → parts and
 deltas → every `.done` → `output_item.done`, one item open at a time (Reasoning → a reasoning item with
 `reasoning_text` parts, Content → `output_text`, Refusal → a `refusal` part, a tool call → a
-`function_call` item). Exactly one terminal event: `response.completed`, `response.incomplete` (also for
+`function_call` item; a call to a namespaced function carries the client's own name and `namespace`,
+from the request's `ToolSpec`). Exactly one terminal event: `response.completed`, `response.incomplete` (also for
 CANCELLED, which has no stream event of its own; the status says `cancelled`), or for an Error an `error`
 event then `response.failed`. Its `response.output` equals the streamed items. Arguments for a tool call
 that is no longer the open item are dropped (workers emit each call's arguments before the next call).
@@ -123,7 +124,7 @@ class _ResponseState:
             if op.kind == "close":
                 events += self._close(last_status if op.index == len(self.items) - 1 else "completed")
             elif isinstance(delta, ToolCallStart):
-                events += self._add({"type": "function_call", "status": "in_progress", "arguments": "", "call_id": delta.id, "name": delta.name})
+                events += self._add({"type": "function_call", "status": "in_progress", "arguments": "", "call_id": delta.id, **self._callee(delta.name)})
             elif isinstance(delta, ToolCallArgs):
                 index = self._open
                 assert index is not None
@@ -135,6 +136,11 @@ class _ResponseState:
                     events += self._add({"type": op.group, "status": "in_progress", **fields})
                 events += self._text_delta(delta)
         return events
+
+    def _callee(self, name: str) -> dict[str, str]:
+        """The call's name as the client knows it: a namespaced function's own name plus its `namespace`."""
+        spec = next((t for t in self.request.tools if t.name == name and t.namespace), None)
+        return {"name": spec.client_name, "namespace": spec.namespace} if spec is not None else {"name": name}
 
     def _text_delta(self, delta: StreamDelta | None) -> list[dict[str, Any]]:
         if isinstance(delta, Content):

@@ -4,7 +4,12 @@ Owns: the mapping of Messages fields onto the IR. A `tool_result` block becomes 
 (in block order), `tool_use` blocks become the assistant turn's `ToolCall`s (arguments: the JSON text of
 `input`), `thinking` text becomes `Message.reasoning` and `redacted_thinking` is dropped. `system`-role
 entries inside `messages` (sent by recent Claude Code) are kept where they stand. `thinking` is
-validated and otherwise ignored; unknown fields are ignored. Parameters are named `messages[0].content[1].text`.
+validated and otherwise ignored; unknown fields are ignored (so `context_management`, `output_config.effort`,
+`container`, `mcp_servers`, `service_tier`, `cache_control` anywhere, and the beta query and headers all
+pass). Client tools (no `type`, or `custom`) are offered to the model; typed server tools
+(`web_search_20250305`, `bash_*`, `text_editor_*`, `computer_*`, `code_execution_*`, `memory_*`,
+`tool_search_tool_*`, ...) are accepted and ignored, and so are the server-tool blocks
+(`server_tool_use`, `*_tool_result`) an assistant turn replays: this server never ran them. Parameters are named `messages[0].content[1].text`.
 Must not: do I/O, render templates, or decide whether the model accepts images (the app does).
 """
 
@@ -37,7 +42,8 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         messages.extend(_message(m, f"messages[{i}]"))
     _check_thinking(body.get("thinking"))
     choice, parallel = _tool_choice(body.get("tool_choice"))
-    tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS)))
+    raw_tools = f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS)
+    tools = tuple(spec for i, t in enumerate(raw_tools) if (spec := _tool(t, f"tools[{i}]")) is not None)
     constraints.check_tool_choice(tools, choice, "tool_choice.name" if choice and choice.startswith("function:") else "tool_choice")
     return Request(
         id=request_id,
@@ -124,7 +130,7 @@ def _assistant(blocks: list[dict[str, Any]], param: str) -> Message:
             )
         elif kind == "thinking":
             reasoning.append(f.string(f.require(b, "thinking", f"{where}.thinking"), f"{where}.thinking"))
-        elif kind != "redacted_thinking":
+        elif kind != "redacted_thinking" and not _server_block(kind):
             raise _bad_block(kind, where, "'text', 'tool_use', 'thinking', 'redacted_thinking'")
     return Message(role=Role.ASSISTANT, content=tuple(parts), tool_calls=tuple(calls), reasoning="".join(reasoning) if reasoning else None)
 
@@ -190,12 +196,17 @@ def _bad_block(kind: Any, where: str, supported: str) -> Exception:
     return invalid(f"Invalid value: {kind!r}. Supported content block types here: {supported}.", f"{where}.type", "invalid_value")
 
 
-def _tool(value: Any, param: str) -> ToolSpec:
+def _server_block(kind: Any) -> bool:
+    """A block of a tool Anthropic's servers run (`server_tool_use`, `web_search_tool_result`, ...)."""
+    return isinstance(kind, str) and (kind in ("server_tool_use", "mcp_tool_use", "mcp_tool_result") or kind.endswith("_tool_result"))
+
+
+def _tool(value: Any, param: str) -> ToolSpec | None:
+    """A client tool (no `type`, or `custom`) → its spec; a typed server tool → None (accepted, not offered)."""
     t = f.obj(value, param)
     if t.get("type") not in (None, "custom"):
-        raise invalid(
-            f"Invalid value: {t.get('type')!r}. Only client tools ('custom', or no type) are supported.", f"{param}.type", "invalid_value"
-        )
+        f.string(t["type"], f"{param}.type", allow_empty=False)
+        return None
     return ToolSpec(
         name=constraints.tool_name(f.require(t, "name", f"{param}.name"), f"{param}.name"),
         description=f.string(t.get("description") or "", f"{param}.description"),

@@ -69,11 +69,17 @@ class Message:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolSpec:
-    """A function the model may call; parameters is its JSON Schema serialized as JSON text."""
+    """A function the model may call; parameters is its JSON Schema serialized as JSON text.
+
+    `name` is what the model sees and calls. A tool the client grouped under a `namespace` (Responses'
+    `{"type": "namespace", ...}`) is offered under one flattened name; `namespace` and `client_name`
+    keep what the client knows it by, so an encoder can hand the call back under those."""
 
     name: str
     description: str = ""
     parameters_json: str = "{}"
+    namespace: str = ""
+    client_name: str = ""
 
 
 class ConstraintKind(enum.StrEnum):

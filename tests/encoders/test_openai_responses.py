@@ -393,3 +393,19 @@ def test_interleaved_parallel_calls_become_whole_function_call_items_in_call_ord
     ]
     assert [i["call_id"] for i in output if i["type"] == "function_call"] == ["call_a", "call_b"]
     assert accumulate(req, SCENARIOS["interleaved_parallel_calls"])["output"] == output
+
+
+def test_a_call_to_a_namespaced_function_is_handed_back_under_the_clients_name_and_namespace() -> None:
+    spec = ToolSpec(name="multi_agent_v1__close_agent", namespace="multi_agent_v1", client_name="close_agent")
+    req = responses_request(tools=(spec, ToolSpec(name="exec_command")))
+    deltas: list[StreamDelta] = [
+        ToolCallStart(index=0, id="call_a", name="multi_agent_v1__close_agent"),
+        ToolCallStart(index=1, id="call_b", name="exec_command"),
+        Finish(reason=FinishReason.TOOL_CALLS, usage=Usage()),
+    ]
+    frames = replay(req, deltas)
+    check_stream(frames)
+    output = payloads(frames)[-1]["response"]["output"]
+    assert [(i["name"], i.get("namespace")) for i in output] == [("close_agent", "multi_agent_v1"), ("exec_command", None)]
+    assert payloads(frames)[len(HEAD)]["item"]["namespace"] == "multi_agent_v1"  # already on output_item.added
+    assert accumulate(req, deltas)["output"] == output
