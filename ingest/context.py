@@ -13,7 +13,8 @@ Owns: the one decision every protocol shares once the prompt is rendered, with e
   the three numbers with a regex and retries with a `max_tokens` that fits.
 - The operator's `--max-output-tokens` caps every request's `max_tokens` (also one that names none).
 Anthropic errors carry no `param` (its error shape has none, and a `param: ` prefix would break the
-clients that match these messages whole); OpenAI-style errors name `messages` or `max_tokens`.
+clients that match these messages whole); OpenAI-style errors name the protocol's own field: chat's
+`messages` / `max_tokens`, Responses' `input` / `max_output_tokens`.
 Must not: render, do I/O, or know anything of a protocol beyond these messages.
 """
 
@@ -23,6 +24,9 @@ from dataclasses import dataclass
 
 from shared.errors import invalid
 from shared.ir import Protocol
+
+# (the prompt's field, the output limit's field) as each OpenAI-style protocol names them.
+FIELDS = {Protocol.OPENAI_CHAT: ("messages", "max_tokens"), Protocol.OPENAI_RESPONSES: ("input", "max_output_tokens")}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,12 +43,13 @@ def fit_max_tokens(protocol: Protocol, prompt_tokens: int, max_tokens: int | Non
     """The `max_tokens` to queue the request with (None: up to the context, as the worker resolves it), or
     an `ApiError` in the protocol's wording when the prompt cannot fit, or `max_tokens` cannot while strict."""
     limit = policy.context
+    prompt_field, limit_field = FIELDS.get(protocol, ("messages", "max_tokens"))
     if prompt_tokens >= limit:
         if protocol is Protocol.ANTHROPIC_MESSAGES:
             raise invalid(f"prompt is too long: {prompt_tokens} tokens > {limit - 1} maximum", None, "context_length_exceeded")
         raise invalid(
             f"This model's maximum context length is {limit} tokens. However, your messages resulted in {prompt_tokens} tokens.",
-            "messages",
+            prompt_field,
             "context_length_exceeded",
         )
     room = limit - prompt_tokens
@@ -59,7 +64,7 @@ def fit_max_tokens(protocol: Protocol, prompt_tokens: int, max_tokens: int | Non
         raise invalid(
             f"This model's maximum context length is {limit} tokens. However, you requested {prompt_tokens + max_tokens} tokens "
             f"({prompt_tokens} in the messages, {max_tokens} in the completion).",
-            "max_tokens",
+            limit_field,
             "context_length_exceeded",
         )
     if max_tokens is not None:

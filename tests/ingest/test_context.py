@@ -51,10 +51,10 @@ def test_strict_refuses_on_anthropic_in_anthropics_words_which_claude_code_parse
     assert body == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
 
 
-@pytest.mark.parametrize("protocol", [Protocol.OPENAI_CHAT, Protocol.OPENAI_RESPONSES])
-def test_strict_refuses_on_openai_surfaces_naming_max_tokens(protocol: Protocol) -> None:
+@pytest.mark.parametrize(("protocol", "param"), [(Protocol.OPENAI_CHAT, "max_tokens"), (Protocol.OPENAI_RESPONSES, "max_output_tokens")])
+def test_strict_refuses_on_openai_surfaces_naming_the_output_limit(protocol: Protocol, param: str) -> None:
     err = refusal(protocol, 1000, 8000, STRICT)
-    assert err.param == "max_tokens"
+    assert err.param == param
     assert err.message == "This model's maximum context length is 8192 tokens. However, you requested 9000 tokens (1000 in the messages, 8000 in the completion)."
     assert fit_max_tokens(protocol, 1000, 7192, STRICT) == 7192
 
@@ -63,6 +63,6 @@ def test_a_prompt_that_does_not_fit_is_refused_in_each_protocols_words() -> None
     anthropic = refusal(Protocol.ANTHROPIC_MESSAGES, 9000, 10, CONTEXT)
     message = error_body(Protocol.ANTHROPIC_MESSAGES, anthropic)["error"]["message"]
     assert message == "prompt is too long: 9000 tokens > 8191 maximum" and CLAUDE_TOO_LONG.match(message)
-    for protocol in (Protocol.OPENAI_CHAT, Protocol.OPENAI_RESPONSES):
+    for protocol, param in ((Protocol.OPENAI_CHAT, "messages"), (Protocol.OPENAI_RESPONSES, "input")):
         err = refusal(protocol, 8192, None, CONTEXT)
-        assert err.param == "messages" and "maximum context length is 8192 tokens" in err.message
+        assert err.param == param and "maximum context length is 8192 tokens" in err.message
