@@ -66,6 +66,7 @@ def test_claude_code_completes_a_turn_with_the_models_text(agents_server: LiveSe
         **base_env(tmp_path),
         "ANTHROPIC_BASE_URL": agents_server.base_url,
         "ANTHROPIC_API_KEY": "test",
+        "ANTHROPIC_MODEL": "SmolLM2-135M-Instruct-32k",  # a non-Claude name: Claude Code then reads the window below (README)
         "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(LONG_CONTEXT),
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_TELEMETRY": "1",

@@ -1,7 +1,7 @@
 """Context limits through live servers: `--max-model-len` defaults to the model's own context; a
 `max_tokens` past what the context leaves is clamped (default) or refused (`--strict-max-tokens`, in
 Anthropic's own words on /v1/messages); a prompt that does not fit is refused; a refusal queues nothing.
-Two small-context servers (`--max-model-len 256`) keep every prompt here a few dozen tokens."""
+Two small-context servers (`--max-model-len 128`) keep every prompt here a few dozen tokens."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ..conftest import LiveServer, http_errors, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
 
-CONTEXT = 256
+CONTEXT = 128
 HI = [{"role": "user", "content": "Say hi."}]
 LONG = [{"role": "user", "content": "word " * 400}]
 CLAUDE_RETRY = re.compile(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+)")  # Claude Code 2.1.332's regex
@@ -67,9 +67,9 @@ def test_a_max_tokens_past_the_context_is_clamped_on_every_protocol(clamping: Li
     assert response.usage is not None and response.usage.total_tokens <= CONTEXT
     assert response.max_output_tokens == CONTEXT - response.usage.input_tokens  # the clamped limit is what runs
     claude = anthropic.Anthropic(base_url=clamping.base_url, api_key="x", max_retries=0, timeout=120)
-    with claude.messages.stream(model="claude-opus-4-5", max_tokens=128_000, messages=HI, temperature=0) as stream:
+    with claude.messages.stream(model="claude-opus-5-5", max_tokens=128_000, messages=HI, extra_body={"temperature": 0}) as stream:
         message = stream.get_final_message()
-    assert message.model == "claude-opus-4-5" and message.usage.input_tokens + message.usage.output_tokens <= CONTEXT
+    assert message.model == "claude-opus-5-5" and message.usage.input_tokens + message.usage.output_tokens <= CONTEXT
     assert message.stop_reason in ("end_turn", "max_tokens")
 
 
