@@ -38,7 +38,7 @@ from shared.deltas import (
     ToolCallStart,
     Usage,
 )
-from shared.ir import Request
+from shared.ir import Request, ToolSpec
 
 ITEM_PREFIX = {"message": "msg", "function_call": "fc", "reasoning": "rs"}
 PART_TEXT_KEY = {"output_text": "text", "refusal": "refusal", "reasoning_text": "text"}
@@ -81,6 +81,29 @@ def _tool_choice(choice: str | None) -> Any:
     if choice and choice.startswith("function:"):
         return {"type": "function", "name": choice.removeprefix("function:")}
     return choice or "auto"
+
+
+def _tools(tools: tuple[ToolSpec, ...]) -> list[dict[str, Any]]:
+    """The offered tools as the client gave them: namespaced functions back inside their `namespace` tool
+    (its description is not kept, so it is empty)."""
+    out: list[dict[str, Any]] = []
+    spaces: dict[str, dict[str, Any]] = {}
+    for t in tools:
+        function = {
+            "type": "function",
+            "name": t.client_name or t.name,
+            "description": t.description or None,
+            "parameters": orjson.loads(t.parameters_json),
+            "strict": None,
+        }
+        if not t.namespace:
+            out.append(function)
+            continue
+        if t.namespace not in spaces:
+            spaces[t.namespace] = {"type": "namespace", "name": t.namespace, "description": "", "tools": []}
+            out.append(spaces[t.namespace])
+        spaces[t.namespace]["tools"].append(function)
+    return out
 
 
 class _ResponseState:
@@ -176,16 +199,7 @@ class _ResponseState:
             "temperature": s.temperature,
             "text": self._echo["text"],
             "tool_choice": _tool_choice(r.tool_choice),
-            "tools": [
-                {
-                    "type": "function",
-                    "name": t.name,
-                    "description": t.description or None,
-                    "parameters": orjson.loads(t.parameters_json),
-                    "strict": None,
-                }
-                for t in r.tools
-            ],
+            "tools": _tools(r.tools),
             "top_p": s.top_p,
             "truncation": "disabled",
             "usage": terminal.get("usage"),

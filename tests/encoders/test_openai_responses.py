@@ -409,3 +409,6 @@ def test_a_call_to_a_namespaced_function_is_handed_back_under_the_clients_name_a
     assert [(i["name"], i.get("namespace")) for i in output] == [("close_agent", "multi_agent_v1"), ("exec_command", None)]
     assert payloads(frames)[len(HEAD)]["item"]["namespace"] == "multi_agent_v1"  # already on output_item.added
     assert accumulate(req, deltas)["output"] == output
+    tools = payloads(frames)[-1]["response"]["tools"]
+    assert [(t["type"], t["name"]) for t in tools] == [("namespace", "multi_agent_v1"), ("function", "exec_command")]
+    assert [t["name"] for t in tools[0]["tools"]] == ["close_agent"]
