@@ -89,8 +89,13 @@ def test_codexs_requests_stream_through_the_sdk_accumulator(agents_server: LiveS
     body = record["body"]
     errors = http_errors(agents_server)
     client = openai.OpenAI(base_url=f"{agents_server.base_url}/v1", api_key="test", max_retries=0, timeout=600)
+    # Iterating runs every event through the SDK's stream state machine; get_final_response() only takes a
+    # `response.completed`, and a turn cut by --max-output-tokens ends in `response.incomplete`.
     with client.responses.stream(model=body["model"], input=[], extra_body=body, extra_headers=record["headers"]) as stream:
-        final = stream.get_final_response()
+        events = list(stream)
+    terminal = events[-1]
+    assert terminal.type in ("response.completed", "response.incomplete"), terminal
+    final = terminal.response
     assert final.model == body["model"] and final.status in ("completed", "incomplete")
     assert final.usage is not None and final.usage.output_tokens <= AGENT_OUTPUT_CAP and final.output
     assert final.store is False
