@@ -8,6 +8,11 @@ as tests/fixtures/agents/. Must not: talk to any real API, or keep a key in what
 
     .venv/bin/python bench/record_agents.py claude  /tmp/rec-claude   # needs ./dev setup's .tools/agents
     .venv/bin/python bench/record_agents.py codex   /tmp/rec-codex
+    RECORD_CALL='{"name": "close_agent", "namespace": "multi_agent_v1", "arguments": "{}"}' \
+      .venv/bin/python bench/record_agents.py codex /tmp/rec-ns     # the first turn's call, overridden
+
+Then copy the files worth keeping into tests/fixtures/agents/<agent>/ (drop the `host` and
+`content-length` headers) and check them for anything local that `scrub()` missed.
 """
 
 from __future__ import annotations
