@@ -246,7 +246,7 @@ def scrub(text: str, *, home: str) -> str:
         text = re.sub(rf"\b{re.escape(name)}\b", "user", text)
     text = text.replace(str(ROOT), "/home/user/project")
     text = re.sub(r"/tmp/agent-home-[A-Za-z0-9_]+", "/home/user", text)
-    text = re.sub(r"-tmp-agent-home-[A-Za-z0-9_]+-", "-home-user-", text)  # Claude Code's project folder name for the cwd
+    text = re.sub(r"-tmp-agent-home-[A-Za-z0-9-]{8}-", "-home-user-", text)  # Claude Code's project folder name for the cwd
     text = re.sub(r"\b[0-9a-f]{64}\b", "0" * 64, text)  # Claude Code's device id (metadata.user_id)
     return re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "00000000-0000-4000-8000-000000000000", text)
 
