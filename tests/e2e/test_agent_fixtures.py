@@ -83,6 +83,15 @@ def test_claude_codes_requests_are_answered_without_streaming(agents_server: Liv
     assert message.model == record["body"]["model"] and message.usage.output_tokens <= AGENT_OUTPUT_CAP
 
 
+def test_claude_codes_cache_marked_prompt_is_read_from_the_prefix_cache_and_reported(agents_server: LiveServer) -> None:
+    record = recorded(CLAUDE[1])
+    url, body = f"{agents_server.base_url}{record['path']}", {**record["body"], "stream": False}
+    usages = [httpx.post(url, params=record["query"], headers=record["headers"], json=body, timeout=600).json()["usage"] for _ in range(2)]
+    again = usages[1]  # the first may have filled the cache; the second reads all but the last, partial block
+    assert again["cache_read_input_tokens"] > 12000 and again["cache_creation_input_tokens"] == 0
+    assert again["input_tokens"] + again["cache_read_input_tokens"] == usages[0]["input_tokens"] + usages[0]["cache_read_input_tokens"]
+
+
 @pytest.mark.parametrize("path", CODEX, ids=[p.stem for p in CODEX])
 def test_codexs_requests_stream_through_the_sdk_accumulator(agents_server: LiveServer, path: Path) -> None:
     record = recorded(path)
