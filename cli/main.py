@@ -34,6 +34,17 @@ MaxRunning = Annotated[int | None, typer.Option(help="Most sequences a worker de
 KvBudget = Annotated[int | None, typer.Option("--kv-budget-mb", help="KV block pool per worker, MiB (default: a share of free memory).")]
 PrefixCache = Annotated[bool | None, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of identical prompt prefixes (on by default).")]
 MaxModelLen = Annotated[int | None, typer.Option(help="Longest prompt + completion, tokens (default and cap: the model's context).")]
+StrictMaxTokens = Annotated[
+    bool | None,
+    typer.Option(
+        "--strict-max-tokens/--no-strict-max-tokens",
+        help="Refuse a max_tokens the context cannot hold (Anthropic's own wording on /v1/messages) instead of clamping it to what the context leaves.",
+    ),
+]
+MaxOutputTokens = Annotated[
+    int | None,
+    typer.Option(help="Operator cap on every request's max_tokens, also on one that names none (0: no cap); a request reaching it finishes with length."),
+]
 MaxQueue = Annotated[int | None, typer.Option(help="Accepted-but-unfinished requests beyond which new ones get 429 / 529.")]
 ResumeGrace = Annotated[float | None, typer.Option("--resume-grace-s", help="Seconds a stream whose client left keeps generating, so the client can resume it (0: cancel at once).")]
 RequestTimeout = Annotated[float | None, typer.Option(help="Seconds from acceptance until a request ends with a timeout finish.")]
@@ -121,6 +132,8 @@ def serve(
     kv_budget_mb: KvBudget = None,
     prefix_cache: PrefixCache = None,
     max_model_len: MaxModelLen = None,
+    strict_max_tokens: StrictMaxTokens = None,
+    max_output_tokens: MaxOutputTokens = None,
     max_queue: MaxQueue = None,
     max_tokens_per_step: MaxTokensPerStep = None,
     request_timeout: RequestTimeout = None,
@@ -172,6 +185,8 @@ def api(
     redis_url: RedisUrl = None,
     data_dir: DataDir = None,
     max_model_len: MaxModelLen = None,
+    strict_max_tokens: StrictMaxTokens = None,
+    max_output_tokens: MaxOutputTokens = None,
     max_queue: MaxQueue = None,
     request_timeout: RequestTimeout = None,
     resume_grace_s: ResumeGrace = None,

@@ -8,7 +8,8 @@ construction. Every event has `type` and a `sequence_number` from 0 (the stream 
 and ids derived from the request id and index (`msg_…`, `fc_…`, `rs_…`); each item is added → parts and
 deltas → every `.done` → `output_item.done`, one item open at a time (Reasoning → a reasoning item with
 `reasoning_text` parts, Content → `output_text`, Refusal → a `refusal` part, a tool call → a
-`function_call` item, or, when the called name is one of the request's custom tools, a `custom_tool_call`
+`function_call` item (a call to a namespaced function carries the client's own name and `namespace`,
+from the request's `ToolSpec`), or, when the called name is one of the request's custom tools, a `custom_tool_call`
 item whose `input` is the raw text the call's ToolCallArgs carry, streamed as
 `response.custom_tool_call_input.delta` / `.done`). Exactly one terminal event: `response.completed`, `response.incomplete` (also for
 CANCELLED, which has no stream event of its own; the status says `cancelled`), or for an Error an `error`
@@ -93,7 +94,24 @@ def _tool_json(tool: ToolSpec) -> dict[str, Any]:
         fmt = tool.input_format
         grammar = {"type": "grammar", "syntax": fmt.kind.value, "definition": fmt.text} if fmt is not None else {"type": "text"}
         return {"type": "custom", "name": tool.name, "description": tool.description or None, "format": grammar}
-    return {"type": "function", "name": tool.name, "description": tool.description or None, "parameters": orjson.loads(tool.parameters_json), "strict": None}
+    return {"type": "function", "name": tool.client_name or tool.name, "description": tool.description or None, "parameters": orjson.loads(tool.parameters_json), "strict": None}
+
+
+def _tools(tools: tuple[ToolSpec, ...]) -> list[dict[str, Any]]:
+    """The offered tools as the client gave them: namespaced functions back inside their `namespace` tool
+    (its description is not kept, so it is empty)."""
+    out: list[dict[str, Any]] = []
+    spaces: dict[str, dict[str, Any]] = {}
+    for t in tools:
+        function = _tool_json(t)
+        if not t.namespace:
+            out.append(function)
+            continue
+        if t.namespace not in spaces:
+            spaces[t.namespace] = {"type": "namespace", "name": t.namespace, "description": "", "tools": []}
+            out.append(spaces[t.namespace])
+        spaces[t.namespace]["tools"].append(function)
+    return out
 
 
 class _ResponseState:
@@ -141,7 +159,7 @@ class _ResponseState:
                 events += self._close(last_status if op.index == len(self.items) - 1 else "completed")
             elif isinstance(delta, ToolCallStart):
                 kind = "custom_tool_call" if delta.name in self._custom else "function_call"
-                events += self._add({"type": kind, "status": "in_progress", CALL_FIELD[kind][0]: "", "call_id": delta.id, "name": delta.name})
+                events += self._add({"type": kind, "status": "in_progress", CALL_FIELD[kind][0]: "", "call_id": delta.id, **self._callee(delta.name)})
             elif isinstance(delta, ToolCallArgs):
                 index = self._open
                 assert index is not None
@@ -187,6 +205,12 @@ class _ResponseState:
             {"type": "response.reasoning_summary_part.done", **where, "part": dict(summary[0])},
         ]
 
+
+    def _callee(self, name: str) -> dict[str, str]:
+        """The call's name as the client knows it: a namespaced function's own name plus its `namespace`."""
+        spec = next((t for t in self.request.tools if t.name == name and t.namespace), None)
+        return {"name": spec.client_name, "namespace": spec.namespace} if spec is not None else {"name": name}
+
     def _text_delta(self, delta: StreamDelta | None) -> list[dict[str, Any]]:
         if isinstance(delta, Content):
             return self._text("output_text", delta.text, _logprobs(delta.logprobs))
@@ -221,7 +245,7 @@ class _ResponseState:
             "temperature": s.temperature,
             "text": self._echo["text"],
             "tool_choice": _tool_choice(r),
-            "tools": [_tool_json(t) for t in r.tools],
+            "tools": _tools(r.tools),
             "top_p": s.top_p,
             "truncation": "disabled",
             "usage": terminal.get("usage"),

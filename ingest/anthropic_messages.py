@@ -5,7 +5,12 @@ Owns: the mapping of Messages fields onto the IR. A `tool_result` block becomes 
 `input`), a signed `thinking` block becomes sealed reasoning (opened by the API node, shared.seal; an
 unsigned one is dropped, as is `redacted_thinking`). `system`-role entries inside `messages` (sent by
 recent Claude Code) are kept where they stand. `thinking` and `output_config.effort` become the IR's
-`Thinking` (the reasoning budget); unknown fields are ignored. Parameters are named `messages[0].content[1].text`.
+`Thinking` (the reasoning budget); unknown fields are ignored (so `context_management`, `container`,
+`mcp_servers`, `service_tier`, `cache_control` anywhere, and the beta query and headers all pass). Client
+tools (no `type`, or `custom`) are offered to the model; typed server tools (`web_search_20250305`,
+`bash_*`, `text_editor_*`, `computer_*`, `code_execution_*`, `memory_*`, `tool_search_tool_*`, ...) are
+accepted and ignored, and so are the server-tool blocks (`server_tool_use`, `*_tool_result`) an assistant
+turn replays: this server never ran them. Parameters are named `messages[0].content[1].text`.
 Must not: do I/O, render templates, or decide whether the model accepts images (the app does).
 """
 
@@ -40,7 +45,8 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         messages.extend(_message(m, f"messages[{i}]"))
     thinking = _thinking(body.get("thinking"), body.get("output_config"))
     choice, parallel = _tool_choice(body.get("tool_choice"))
-    tools = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS)))
+    raw_tools = f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS)
+    tools = tuple(spec for i, t in enumerate(raw_tools) if (spec := _tool(t, f"tools[{i}]")) is not None)
     constraints.check_tool_choice(tools, choice, "tool_choice.name" if choice and choice.startswith("function:") else "tool_choice")
     return Request(
         id=request_id,
@@ -131,7 +137,7 @@ def _assistant(blocks: list[dict[str, Any]], param: str) -> Message:
             signature = b.get("signature")
             if isinstance(signature, str) and signature:  # unsigned thinking cannot be verified: dropped
                 sealed.append((text, signature))
-        elif kind != "redacted_thinking":
+        elif kind != "redacted_thinking" and not _server_block(kind):
             raise _bad_block(kind, where, "'text', 'tool_use', 'thinking', 'redacted_thinking'")
     return Message(role=Role.ASSISTANT, content=tuple(parts), tool_calls=tuple(calls), sealed_reasoning=tuple(sealed))
 
@@ -197,12 +203,17 @@ def _bad_block(kind: Any, where: str, supported: str) -> Exception:
     return invalid(f"Invalid value: {kind!r}. Supported content block types here: {supported}.", f"{where}.type", "invalid_value")
 
 
-def _tool(value: Any, param: str) -> ToolSpec:
+def _server_block(kind: Any) -> bool:
+    """A block of a tool Anthropic's servers run (`server_tool_use`, `web_search_tool_result`, ...)."""
+    return isinstance(kind, str) and (kind in ("server_tool_use", "mcp_tool_use", "mcp_tool_result") or kind.endswith("_tool_result"))
+
+
+def _tool(value: Any, param: str) -> ToolSpec | None:
+    """A client tool (no `type`, or `custom`) → its spec; a typed server tool → None (accepted, not offered)."""
     t = f.obj(value, param)
     if t.get("type") not in (None, "custom"):
-        raise invalid(
-            f"Invalid value: {t.get('type')!r}. Only client tools ('custom', or no type) are supported.", f"{param}.type", "invalid_value"
-        )
+        f.string(t["type"], f"{param}.type", allow_empty=False)
+        return None
     return ToolSpec(
         name=constraints.tool_name(f.require(t, "name", f"{param}.name"), f"{param}.name"),
         description=f.string(t.get("description") or "", f"{param}.description"),

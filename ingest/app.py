@@ -39,6 +39,7 @@ from ingest import anthropic_messages, openai_chat, openai_completions, openai_r
 from ingest.auth import ANONYMOUS, Authenticator
 from ingest.batch_dispatch import BatchDispatcher
 from ingest.batch_routes import BatchLines, BatchRoutes
+from ingest.context import ContextPolicy, fit_max_tokens
 from ingest.errors import error_body, failure, status_for
 from ingest.limits import RateLimiter, parse_json, read_body
 from ingest.metrics import CONTENT_TYPE, Metrics
@@ -79,6 +80,9 @@ class Api:
         self.metrics = Metrics(self.redis, heartbeat_ttl=settings.heartbeat_ttl)
         self._followers: set[asyncio.Task[None]] = set()  # background responses being saved
         self.sealer: Sealer | None = None  # the deployment's reasoning seal (shared.seal), loaded on start
+        self.context = ContextPolicy(
+            context=renderer.info.max_model_len, strict=settings.strict_max_tokens, output_cap=settings.max_output_tokens
+        )
 
     # ---- shared steps -------------------------------------------------------------------------
 
@@ -87,29 +91,20 @@ class Api:
         return parse_json(await read_body(http, self.settings.max_body_bytes), self.settings.max_json_depth)
 
     def prepare(self, request: Request, body: Any) -> Request:
-        """Render the prompt, check it against the context, and attach token ids and the raw body."""
+        """Render the prompt, fit it and `max_tokens` into the context (ingest.context: clamp or refuse), and
+        attach token ids and the raw body."""
         if not self.renderer.info.vision and any(isinstance(p, ImagePart) for m in request.messages for p in m.content):
             raise invalid(f"The model {self.model_name} does not accept images.", "messages", "image_not_supported")
         self.renderer.check_constraint(request, tool_parser=self.settings.tool_parser)
         request = open_reasoning(request, self.sealer)
         prompt = self.renderer.render(request)
-        limit = self.renderer.info.max_model_len
-        if len(prompt) >= limit:
-            where = "messages" if request.completion is None else "prompt"
-            raise invalid(
-                f"This model's maximum context length is {limit} tokens. However, your {where} resulted in {len(prompt)} tokens.",
-                where,
-                "context_length_exceeded",
-            )
-        max_tokens = request.sampling.max_tokens
-        if max_tokens is not None and len(prompt) + max_tokens > limit:
-            raise invalid(
-                f"This model's maximum context length is {limit} tokens. However, you requested {len(prompt) + max_tokens} tokens "
-                f"({len(prompt)} in the messages, {max_tokens} in the completion).",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        return replace(request, prompt_token_ids=tuple(prompt), raw_body=orjson.dumps(redact(body)).decode())
+        max_tokens = fit_max_tokens(request.protocol, len(prompt), request.sampling.max_tokens, self.context)
+        return replace(
+            request,
+            sampling=replace(request.sampling, max_tokens=max_tokens),
+            prompt_token_ids=tuple(prompt),
+            raw_body=orjson.dumps(redact(body)).decode(),
+        )
 
     async def charge(self, http: HttpRequest, parts: list[Request]) -> None:
         """Rate limits (ingest.limits): one request, and for each part its prompt plus the most it may generate."""

@@ -4,14 +4,18 @@ Owns: the mapping of Responses fields onto the IR. `instructions` becomes a lead
 `input` items become messages, with each run of assistant-side items (`reasoning`, assistant `message`,
 `function_call`, `custom_tool_call`) merged into one assistant turn, as chat templates expect;
 `function_call_output` / `custom_tool_call_output` become TOOL messages. Tools: `function` and
-`custom` (free-form input, optionally a Lark / regex `format` grammar) are callable; every other type
-is accepted and ignored. `store` and `previous_response_id` are not IR: read them with `store_flag()`
+`custom` (free-form input, optionally a Lark / regex `format` grammar) are callable, and a
+`namespace` tool's functions are offered under one flattened name (`namespaced_name`) and keep their
+namespace in the IR so the encoder hands calls back as the client named them. Items of the hosted tools
+(`web_search_call`, `local_shell_call`, `compaction`, ...) are accepted and dropped; every other tool
+type is accepted and ignored. `store` and `previous_response_id` are not IR: read them with `store_flag()`
 and `previous_response_id()` (the app resolves the previous response). Unknown fields are ignored.
 Must not: do I/O, look up stored responses, or render templates.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from typing import Any
 
@@ -43,6 +47,14 @@ SHARED_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_p
 MAX_ITEMS = 2048
 SUMMARIES = ("auto", "concise", "detailed")
 MAX_TOOLS = 128
+MAX_NAME = 64
+# Items of tools the server hosts (OpenAI runs them, the client only replays them): dropped on input.
+HOSTED_ITEMS = frozenset({
+    "web_search_call", "file_search_call", "code_interpreter_call", "image_generation_call", "computer_call", "computer_call_output",
+    "local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output",
+    "mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "tool_search_call", "tool_search_output",
+    "item_reference", "compaction", "compaction_summary",
+})
 
 
 def parse(body: Any, *, request_id: str, created: float) -> Request:
@@ -65,7 +77,9 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
     store_flag(body)
     background_flag(body)
     raw_tools = f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS)
-    tools = tuple(spec for i, t in enumerate(raw_tools) if (spec := _tool(t, f"tools[{i}]")) is not None)
+    tools = tuple(spec for i, t in enumerate(raw_tools) for spec in _tools(t, f"tools[{i}]"))
+    if len(tools) > MAX_TOOLS:
+        raise invalid(f"Invalid 'tools': at most {MAX_TOOLS} functions (namespaces counted by their functions), got {len(tools)}.", "tools", "too_many_tools")
     tool_choice = _tool_choice(body.get("tool_choice"))
     constraints.check_tool_choice(tools, tool_choice, "tool_choice.name" if tool_choice and tool_choice.startswith("function:") else "tool_choice")
     return Request(
@@ -128,7 +142,7 @@ def _input(value: Any) -> list[Message]:
         elif kind in ("message", "function_call_output", "custom_tool_call_output"):
             out.extend(turn.flush())
             out.append(_message(item, param) if kind == "message" else _function_call_output(item, param))
-        else:
+        elif kind not in HOSTED_ITEMS:
             supported = "'message', 'function_call', 'function_call_output', 'custom_tool_call', 'custom_tool_call_output', 'reasoning'"
             raise invalid(f"Invalid value: {kind!r}. Supported input item types: {supported}.", f"{param}.type", "invalid_value")
     out.extend(turn.flush())
@@ -196,9 +210,14 @@ def _content(value: Any, param: str) -> tuple[ContentPart, ...]:
 
 
 def _function_call(item: dict[str, Any], param: str) -> ToolCall:
+    """An earlier call; one to a namespaced function (`namespace` beside `name`) gets the flattened name
+    the model was offered it under."""
+    name = f.string(f.require(item, "name", f"{param}.name"), f"{param}.name", allow_empty=False)
+    if item.get("namespace") is not None:
+        name = namespaced_name(f.string(item["namespace"], f"{param}.namespace", allow_empty=False), name)
     return ToolCall(
         id=f.string(f.require(item, "call_id", f"{param}.call_id"), f"{param}.call_id", allow_empty=False),
-        name=f.string(f.require(item, "name", f"{param}.name"), f"{param}.name", allow_empty=False),
+        name=name,
         arguments=f.string(f.require(item, "arguments", f"{param}.arguments"), f"{param}.arguments"),
     )
 
@@ -246,20 +265,38 @@ def _reasoning(item: dict[str, Any], param: str) -> str:
     return ""
 
 
-def _tool(value: Any, param: str) -> ToolSpec | None:
-    """A `function` or `custom` tool; any other type (web_search, file_search, code_interpreter, mcp,
-    computer_use, ...) is one this server cannot run: accepted and ignored (None), as agent clients send mixed arrays."""
+def _tools(value: Any, param: str) -> list[ToolSpec]:
+    """A `function` or `custom` tool, or a `namespace` tool's functions (flattened); any other type
+    (web_search, file_search, code_interpreter, mcp, computer_use_preview, image_generation, local_shell,
+    ...) is one this server cannot run: accepted and ignored, as agent clients send mixed arrays."""
     t = f.obj(value, param)
     kind = f.string(f.require(t, "type", f"{param}.type"), f"{param}.type")
+    if kind == "function":
+        return [_function(t, param)]
     if kind == "custom":
-        return ToolSpec(
-            name=constraints.tool_name(f.require(t, "name", f"{param}.name"), f"{param}.name"),
-            description=f.string(t.get("description") or "", f"{param}.description"),
-            kind=ToolKind.CUSTOM,
-            input_format=_custom_format(t.get("format"), f"{param}.format"),
-        )
-    if kind != "function":
-        return None
+        return [
+            ToolSpec(
+                name=constraints.tool_name(f.require(t, "name", f"{param}.name"), f"{param}.name"),
+                description=f.string(t.get("description") or "", f"{param}.description"),
+                kind=ToolKind.CUSTOM,
+                input_format=_custom_format(t.get("format"), f"{param}.format"),
+            )
+        ]
+    if kind != "namespace":
+        return []
+    namespace = constraints.tool_name(f.require(t, "name", f"{param}.name"), f"{param}.name")
+    inner = f.array(f.require(t, "tools", f"{param}.tools"), f"{param}.tools", max_items=MAX_TOOLS)
+    out = []
+    for j, raw in enumerate(inner):
+        where = f"{param}.tools[{j}]"
+        tool = f.obj(raw, where)
+        if tool.get("type", "function") == "function":
+            spec = _function(tool, where)
+            out.append(replace(spec, name=namespaced_name(namespace, spec.name), namespace=namespace, client_name=spec.name))
+    return out
+
+
+def _function(t: dict[str, Any], param: str) -> ToolSpec:
     return ToolSpec(
         name=constraints.tool_name(f.require(t, "name", f"{param}.name"), f"{param}.name"),
         description=f.string(t.get("description") or "", f"{param}.description"),
@@ -286,6 +323,16 @@ def _custom_format(value: Any, param: str) -> Constraint | None:
         raise invalid(f"Invalid value: {syntax!r}. Supported values are: 'lark' and 'regex'.", f"{param}.syntax", "invalid_value")
     definition = f.string(f.require(fmt, "definition", f"{param}.definition"), f"{param}.definition", allow_empty=False)
     return Constraint(kind=GRAMMAR_SYNTAX[syntax], text=definition, param=f"{param}.definition")
+
+
+def namespaced_name(namespace: str, name: str) -> str:
+    """The one name a namespaced function is offered under: `{namespace}__{name}`, within the 64 characters
+    every tool name may have (a longer one is cut and ends in a digest of the whole, so it stays unique)."""
+    flat = f"{namespace}__{name}"
+    if len(flat) <= MAX_NAME:
+        return flat
+    digest = hashlib.sha256(flat.encode()).hexdigest()[:8]
+    return f"{flat[: MAX_NAME - len(digest) - 1]}_{digest}"
 
 
 def _tool_choice(value: Any) -> str | None:

@@ -85,13 +85,19 @@ class Message:
 class ToolSpec:
     """A tool the model may call. A function's `parameters_json` is its JSON Schema as JSON text; a
     custom tool's `input_format` is the grammar its raw input must match (a LARK or REGEX `Constraint`
-    whose `param` names the client field), None for free text."""
+    whose `param` names the client field), None for free text.
+
+    `name` is what the model sees and calls. A tool the client grouped under a `namespace` (Responses'
+    `{"type": "namespace", ...}`) is offered under one flattened name; `namespace` and `client_name`
+    keep what the client knows it by, so an encoder can hand the call back under those."""
 
     name: str
     description: str = ""
     parameters_json: str = "{}"
     kind: ToolKind = ToolKind.FUNCTION
     input_format: Constraint | None = None
+    namespace: str = ""
+    client_name: str = ""
 
 
 class ConstraintKind(enum.StrEnum):

@@ -33,6 +33,8 @@ class Settings:
     data_dir: str = ""  # embedded Redis data and the redis.url file
     model_cache: str = ""  # converted models (GGUF → safetensors); shared by every data dir
     max_model_len: int = 0  # longest prompt + output a request may have; 0 = the model's own context length
+    strict_max_tokens: bool = False  # refuse a max_tokens the context cannot hold (default: clamp it to what the context leaves)
+    max_output_tokens: int = 0  # the operator's cap on any request's max_tokens, also one that names none (0 = no cap)
     max_running: int = 32  # sequences decoded together in one step
     max_tokens_per_step: int = 512  # prefill + decode tokens one step may process
     kv_budget_mb: int = 0  # memory for the KV block pool, per worker; 0 = a share of free memory (see workers.kv_cache)

@@ -5,7 +5,9 @@ The live server is started once per session as a subprocess, exactly as a user w
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,6 +20,8 @@ import pytest
 import redis
 
 from cli.embedded_redis import EmbeddedRedis, free_port
+from models.files import local_folder
+from shared.settings import DEFAULT_MODEL, Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 LIVE_MAX_QUEUE = 32  # the session server's admission limit (tests/e2e/test_scheduling.py overflows it)
@@ -95,3 +99,42 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     url = server.start()
     yield url
     server.stop()
+
+
+LONG_CONTEXT = 32768  # Claude Code's first request alone is ~12.7k tokens of SmolLM2's tokenizer: past its own 8192
+
+
+def long_context_model(target: Path, context: int = LONG_CONTEXT) -> Path:
+    """The default model's converted folder (models/files.py) with `max_position_embeddings` raised to
+    `context`: past 8192 the output is poor, but every token the protocols carry is real. The weights are
+    linked, not copied; the folder's name is the served model name."""
+    _, source = local_folder(DEFAULT_MODEL, Settings.from_env(os.environ).model_cache)
+    target.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.name != "config.json":
+            (target / item.name).symlink_to(item)
+    config = json.loads((source / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}, indent=2))
+    return target
+
+
+AGENT_OUTPUT_CAP = 16  # --max-output-tokens of the agents' server: a 135M model at 12k tokens of context only rambles
+
+
+@pytest.fixture(scope="session")
+def agents_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """`met serve` on the long-context copy of the default model, every feature at its default, for the
+    recorded agent requests and the real agent CLIs. Greedy by default (`--default-temperature 0`: the
+    agents send no temperature) so runs repeat; output capped so a turn takes seconds, not minutes."""
+    folder = long_context_model(tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct-32k")
+    args = ["--model", str(folder), "--max-output-tokens", str(AGENT_OUTPUT_CAP), "--default-temperature", "0", "--kv-budget-mb", "1536"]
+    server = start_server(tmp_path_factory.mktemp("agents"), "--workers", "1", *args)
+    yield server
+    stop_server(server)
+
+
+def http_errors(server: LiveServer) -> dict[str, float]:
+    """`met_http_errors_total` by status, from the server's /metrics (every 4xx / 5xx the API answered)."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    found = re.findall(r'^met_http_errors_total\{status="(\d+)"\} ([0-9.e+]+)$', text, re.MULTILINE)
+    return {status: float(count) for status, count in found}

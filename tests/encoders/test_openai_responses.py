@@ -467,3 +467,22 @@ def test_the_sdk_accumulates_a_custom_tool_call_stream_into_the_non_streaming_bo
     assert final.model_dump(mode="json", exclude_none=True) == drop_none(body)
     [call] = [item for item in final.output if item.type == "custom_tool_call"]
     assert (call.name, call.input, call.call_id) == ("apply_patch", PATCH, "call_req01_0")
+
+
+def test_a_call_to_a_namespaced_function_is_handed_back_under_the_clients_name_and_namespace() -> None:
+    spec = ToolSpec(name="multi_agent_v1__close_agent", namespace="multi_agent_v1", client_name="close_agent")
+    req = responses_request(tools=(spec, ToolSpec(name="exec_command")))
+    deltas: list[StreamDelta] = [
+        ToolCallStart(index=0, id="call_a", name="multi_agent_v1__close_agent"),
+        ToolCallStart(index=1, id="call_b", name="exec_command"),
+        Finish(reason=FinishReason.TOOL_CALLS, usage=Usage()),
+    ]
+    frames = replay(req, deltas)
+    check_stream(frames)
+    output = payloads(frames)[-1]["response"]["output"]
+    assert [(i["name"], i.get("namespace")) for i in output] == [("close_agent", "multi_agent_v1"), ("exec_command", None)]
+    assert payloads(frames)[len(HEAD)]["item"]["namespace"] == "multi_agent_v1"  # already on output_item.added
+    assert accumulate(req, deltas)["output"] == output
+    tools = payloads(frames)[-1]["response"]["tools"]
+    assert [(t["type"], t["name"]) for t in tools] == [("namespace", "multi_agent_v1"), ("function", "exec_command")]
+    assert [t["name"] for t in tools[0]["tools"]] == ["close_agent"]

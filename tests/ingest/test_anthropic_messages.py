@@ -201,7 +201,8 @@ def test_thinking_and_effort_become_the_reasoning_budget() -> None:
         (body(metadata=[]), "metadata"),
         (body(metadata={"user_id": 7}), "metadata.user_id"),
         (body(tools=[{"name": "t"}]), "tools[0].input_schema"),
-        (body(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools[0].type"),
+        (body(tools=[{"type": 7, "name": "web_search"}]), "tools[0].type"),
+        (body(messages=[{"role": "assistant", "content": [{"type": "frobnicate"}]}]), "messages[0].content[0].type"),
         (body(tools=[{"input_schema": {}}]), "tools[0].name"),
         (body(tool_choice={"type": "function"}), "tool_choice.type"),
         (body(tool_choice={"type": "tool"}), "tool_choice.name"),
@@ -231,3 +232,50 @@ def test_cache_control_on_system_tools_and_message_blocks_is_accepted_and_change
     a, b = parsed(plain), parsed(marked)
     assert a.messages == b.messages and a.tools == b.tools
     assert a.messages[0] == Message(role=Role.SYSTEM, content=(TextPart(text="Be brief."),))
+
+
+SERVER_TOOLS = [
+    {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+    {"type": "web_fetch_20250910", "name": "web_fetch"},
+    {"type": "code_execution_20250825", "name": "code_execution"},
+    {"type": "bash_20250124", "name": "bash"},
+    {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"},
+    {"type": "computer_20250124", "name": "computer", "display_width_px": 1024, "display_height_px": 768},
+    {"type": "memory_20250818", "name": "memory"},
+    {"type": "tool_search_tool_regex_20251119", "name": "tool_search_tool_regex"},
+    {"type": "some_future_tool_20270101", "name": "future"},
+]
+
+
+def test_typed_server_tools_are_accepted_and_only_client_tools_are_offered() -> None:
+    client = {"name": "Bash", "description": "Run a command.", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}
+    extras = {"cache_control": {"type": "ephemeral"}, "defer_loading": True, "strict": True, "input_examples": [{"command": "ls"}], "eager_input_streaming": True}
+    req = parsed(body(tools=[*SERVER_TOOLS, {**client, **extras}, {**client, "name": "Read", "type": "custom"}]))
+    assert [t.name for t in req.tools] == ["Bash", "Read"]
+    assert req.tools[0] == ToolSpec(name="Bash", description="Run a command.", parameters_json='{"type":"object","properties":{"command":{"type":"string"}}}')
+
+
+def test_server_tool_blocks_replayed_in_an_assistant_turn_are_dropped() -> None:
+    turn = [
+        {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "q"}},
+        {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": []},
+        {"type": "text", "text": "Found it."},
+    ]
+    req = parsed(body(messages=[{"role": "user", "content": "Search"}, {"role": "assistant", "content": turn}, {"role": "user", "content": "Thanks"}]))
+    assert req.messages[1] == Message(role=Role.ASSISTANT, content=(TextPart(text="Found it."),))
+
+
+def test_the_fields_claude_code_sends_are_accepted_and_change_nothing_the_ir_holds() -> None:
+    extras = {
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"},
+        "container": "container_1",
+        "mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "x"}],
+        "service_tier": "auto",
+    }
+    assert parsed(body(**extras)) == parsed(body())
+    assert parsed(body(thinking={"type": "enabled", "budget_tokens": 1024, "display": "summarized"})) == parsed(body())
+    claude = parsed(body(max_tokens=128000, top_k=5, stop_sequences=["END"], metadata={"user_id": '{"device_id":"d"}'}, model="claude-opus-4-5"))
+    assert (claude.model, claude.sampling.max_tokens, claude.sampling.top_k, claude.sampling.stop) == ("claude-opus-4-5", 128000, 5, ("END",))
+    assert claude.metadata == (("user_id", '{"device_id":"d"}'),)

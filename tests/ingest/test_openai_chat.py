@@ -106,3 +106,19 @@ def test_a_body_that_is_not_an_object_is_rejected() -> None:
     with pytest.raises(ApiError) as caught:
         parse([1, 2], request_id="r", created=0.0)
     assert caught.value.status == 400
+
+
+def test_the_fields_agent_frameworks_send_are_accepted() -> None:
+    extras = {
+        "reasoning_effort": "low",
+        "verbosity": "low",
+        "prompt_cache_key": "k",
+        "safety_identifier": "user-1",
+        "store": False,
+        "service_tier": "auto",
+        "modalities": ["text"],
+        "user": "u",
+    }
+    assert parsed(**extras) == parsed()
+    framed = parsed(stream=True, stream_options={"include_usage": True}, parallel_tool_calls=False, metadata={"run": "r1"})
+    assert (framed.include_usage, framed.parallel_tool_calls, framed.metadata) == (True, False, (("run", "r1"),))

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from ingest.openai_responses import parse, previous_response_id, store_flag
+from ingest.openai_responses import namespaced_name, parse, previous_response_id, store_flag
 from shared.errors import ApiError
 from shared.ir import (
     Constraint,
@@ -187,7 +187,12 @@ def test_store_and_previous_response_id_are_read_by_helpers_not_the_ir() -> None
         (body(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]), "input[0].content[0].type"),
         (body(input=[{"role": "user", "content": [{"type": "input_text"}]}]), "input[0].content[0].text"),
         (body(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]), "input[0].content[0].image_url"),
-        (body(input=[{"type": "item_reference", "id": "msg_1"}]), "input[0].type"),
+        (body(input=[{"type": "frobnicate", "id": "msg_1"}]), "input[0].type"),
+        (body(input=[{"type": "custom_tool_call", "call_id": "c", "name": "apply_patch"}]), "input[0].input"),
+        (body(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "namespace": ""}]), "input[0].namespace"),
+        (body(tools=[{"type": "namespace", "name": "ns"}]), "tools[0].tools"),
+        (body(tools=[{"type": "namespace", "name": "n s", "tools": []}]), "tools[0].name"),
+        (body(tools=[{"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "f", "parameters": []}]}]), "tools[0].tools[0].parameters"),
         (body(input=[{"type": "function_call", "name": "f", "arguments": "{}"}]), "input[0].call_id"),
         (body(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]), "input[0].arguments"),
         (body(input=[{"type": "function_call_output", "call_id": "c"}]), "input[0].output"),
@@ -225,3 +230,92 @@ def test_bad_input_is_rejected_naming_the_parameter(value: dict[str, Any], param
 
 def test_a_body_that_is_not_an_object_is_rejected() -> None:
     assert error_for("Hi").param is None
+
+
+NAMESPACE = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Tools for spawning and managing sub-agents.",
+    "tools": [
+        {"type": "function", "name": "spawn_agent", "description": "Spawn.", "strict": False, "parameters": {"type": "object", "properties": {}}},
+        {"type": "function", "name": "close_agent", "description": "Close.", "strict": False, "parameters": {"type": "object", "properties": {}}},
+    ],
+}
+
+
+def test_a_namespace_tool_offers_its_functions_under_flattened_names_that_remember_the_namespace() -> None:
+    tools = parsed(body(tools=[{"type": "function", "name": "exec_command"}, NAMESPACE, {"type": "web_search", "external_web_access": False}])).tools
+    assert [t.name for t in tools] == ["exec_command", "multi_agent_v1__spawn_agent", "multi_agent_v1__close_agent"]
+    assert tools[1] == ToolSpec(
+        name="multi_agent_v1__spawn_agent",
+        description="Spawn.",
+        parameters_json='{"type":"object","properties":{}}',
+        namespace="multi_agent_v1",
+        client_name="spawn_agent",
+    )
+    assert parsed(body(tools=[NAMESPACE], tool_choice={"type": "function", "name": "multi_agent_v1__close_agent"})).tool_choice == "function:multi_agent_v1__close_agent"
+
+
+def test_a_namespaced_name_stays_a_valid_unique_tool_name_when_long() -> None:
+    long_a, long_b = namespaced_name("n" * 40, "a" * 40), namespaced_name("n" * 40, "a" * 39 + "b")
+    assert len(long_a) == 64 and long_a != long_b
+    assert all(c.isalnum() or c in "_-" for c in long_a)
+    assert parsed(body(tools=[{**NAMESPACE, "name": "n" * 40, "tools": [{"type": "function", "name": "a" * 40}]}])).tools[0].name == long_a
+
+
+def test_an_earlier_namespaced_call_comes_back_under_the_name_the_model_was_offered() -> None:
+    items = [
+        {"role": "user", "content": "Close it."},
+        {"type": "function_call", "call_id": "c1", "name": "close_agent", "namespace": "multi_agent_v1", "arguments": "{}", "status": "completed"},
+        {"type": "function_call_output", "call_id": "c1", "output": "closed"},
+    ]
+    messages = parsed(body(input=items, tools=[NAMESPACE])).messages
+    assert messages[1].tool_calls == (ToolCall(id="c1", name="multi_agent_v1__close_agent", arguments="{}"),)
+
+
+def test_custom_tool_calls_are_rendered_as_calls_with_their_input_and_hosted_tool_items_are_dropped() -> None:
+    items = [
+        {"role": "user", "content": "Patch it."},
+        {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "q"}},
+        {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** Begin Patch"},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done"},
+        {"type": "local_shell_call", "call_id": "c2", "id": "ls_1", "status": "completed", "action": {"type": "exec", "command": ["ls"]}},
+        {"type": "compaction", "encrypted_content": "opaque"},
+    ]
+    assert parsed(body(input=items)).messages == (
+        user("Patch it."),
+        Message(role=Role.ASSISTANT, tool_calls=(ToolCall(id="c1", name="apply_patch", arguments='{"input":"*** Begin Patch"}'),)),
+        Message(role=Role.TOOL, content=(TextPart(text="Done"),), tool_call_id="c1"),
+    )
+
+
+def test_the_fields_codex_sends_are_accepted() -> None:
+    items = [
+        {"type": "message", "id": "msg_1", "role": "developer", "content": [{"type": "input_text", "text": "Rules."}]},
+        {"type": "message", "id": "msg_2", "role": "developer", "content": [{"type": "input_text", "text": "Skills."}]},
+        {"type": "message", "id": "msg_3", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Think."}], "encrypted_content": "gAAAA"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello"}]},
+    ]
+    extras = {
+        "include": ["reasoning.encrypted_content", "web_search_call.action.sources"],
+        "store": False,
+        "prompt_cache_key": "k",
+        "client_metadata": {"session_id": "s"},
+        "reasoning": {"summary": "auto", "effort": "high"},
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "text": {"verbosity": "low"},
+        "service_tier": "auto",
+        "safety_identifier": "user-1",
+        "user": "u",
+        "metadata": {"k": "v"},
+        "truncation": "auto",
+        "top_logprobs": 0,
+        "stream_options": {"include_obfuscation": False},
+        "background": False,
+    }
+    req = parsed(body(input=items, **extras))
+    assert [m.role for m in req.messages] == [Role.DEVELOPER, Role.DEVELOPER, Role.USER, Role.ASSISTANT]
+    assert req.messages[3] == Message(role=Role.ASSISTANT, content=(TextPart(text="Hello"),), reasoning="Think.")
+    assert req.metadata == (("k", "v"),) and req.tool_choice == "auto" and req.constraint is None

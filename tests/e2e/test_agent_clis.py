@@ -1,0 +1,113 @@
+"""The real coding agents, unmodified, against a live `met serve`: Claude Code on /v1/messages and Codex on
+/v1/responses (pinned; `./dev test` installs them into .tools/agents with npm). Every CLI feature is left
+at its default; the server runs the long-context copy of the default model (Claude Code's prompt alone is
+~12.7k tokens) with --max-output-tokens, so each turn ends at `length` after a few tokens.
+
+What is asserted is the protocol: the CLI took the server's stream apart into a turn with the model's
+text, and the server answered nothing with a 4xx / 5xx. What is not asserted is a zero exit: both CLIs
+fail a run whose last turn stopped at the output-token limit ("exceeded the ... output token maximum",
+"Incomplete response returned, reason: max_output_tokens"), which is what a 135M model rambling at 12k
+tokens of context always reaches; the test checks that this, and nothing else, is the failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..conftest import LONG_CONTEXT, ROOT, LiveServer, http_errors
+
+pytestmark = pytest.mark.e2e
+
+BIN = ROOT / ".tools" / "agents" / "node_modules" / ".bin"
+PINNED = {"claude": "2.1.332 (Claude Code)", "codex": "codex-cli 0.171.0"}
+PROMPT = "Say hello in five words"
+
+
+def agent(name: str) -> str:
+    """The pinned CLI, or a loud failure: these tests are part of the suite, never skipped."""
+    path = BIN / name
+    if not path.exists():
+        pytest.fail(f"{path} is missing: run ./dev test (it installs the pinned agent CLIs with npm; Node.js 20+ needed)")
+    version = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"], "HOME": "/tmp"})
+    assert version.stdout.strip() == PINNED[name], f"{name} is not the pinned version: {version.stdout or version.stderr}"
+    return str(path)
+
+
+def base_env(home: Path) -> dict[str, str]:
+    return {"PATH": os.environ["PATH"], "HOME": str(home), "LANG": "C.UTF-8", "NO_COLOR": "1"}
+
+
+def run_cli(cmd: list[str], *, cwd: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], float]:
+    started = time.monotonic()
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=540, stdin=subprocess.DEVNULL)
+    return done, time.monotonic() - started
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def requests_logged(server: LiveServer, protocol: str) -> list[str]:
+    return [line for line in server.log().splitlines() if "met.requests" in line and f" {protocol} " in line]
+
+
+@pytest.mark.timeout(600)
+def test_claude_code_completes_a_turn_with_the_models_text(agents_server: LiveServer, tmp_path: Path) -> None:
+    claude = agent("claude")
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {
+        **base_env(tmp_path),
+        "ANTHROPIC_BASE_URL": agents_server.base_url,
+        "ANTHROPIC_API_KEY": "test",
+        "ANTHROPIC_MODEL": "SmolLM2-135M-Instruct-32k",  # a non-Claude name: Claude Code then reads the window below (README)
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(LONG_CONTEXT),
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1",
+    }
+    errors, before = http_errors(agents_server), len(requests_logged(agents_server, "anthropic_messages"))
+    done, seconds = run_cli([claude, "-p", PROMPT, "--output-format", "stream-json", "--verbose"], cwd=work, env=env)
+    events = json_lines(done.stdout)
+    texts = [b["text"] for e in events if e.get("type") == "assistant" for b in e["message"]["content"] if b.get("type") == "text"]
+    assert any(t.strip() for t in texts), f"no model text in Claude Code's turn ({seconds:.0f}s):\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
+    (result,) = [e for e in events if e.get("type") == "result"]
+    if done.returncode != 0:
+        assert result["is_error"] and "output token maximum" in str(result.get("result")), result
+    logged = requests_logged(agents_server, "anthropic_messages")[before:]
+    assert logged and not [line for line in logged if "status=error" in line]
+    assert http_errors(agents_server) == errors
+    print(f"claude -p: {seconds:.1f}s, {len(logged)} requests, exit {done.returncode}")
+
+
+@pytest.mark.timeout(600)
+def test_codex_exec_completes_a_turn_with_the_models_text(agents_server: LiveServer, tmp_path: Path) -> None:
+    codex = agent("codex")
+    home, work = tmp_path / ".codex", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (home / "config.toml").write_text(
+        'model = "SmolLM2-135M-Instruct-32k"\nmodel_provider = "metrale"\n\n'
+        f'[model_providers.metrale]\nname = "Metrale"\nbase_url = "{agents_server.base_url}/v1"\nwire_api = "responses"\nenv_key = "METRALE_API_KEY"\n'
+    )
+    env = {**base_env(tmp_path), "CODEX_HOME": str(home), "METRALE_API_KEY": "test"}
+    errors, before = http_errors(agents_server), len(requests_logged(agents_server, "openai_responses"))
+    done, seconds = run_cli([codex, "exec", "--json", "--skip-git-repo-check", "-C", str(work), PROMPT], cwd=work, env=env)
+    events = json_lines(done.stdout)
+    messages = [e["item"]["text"] for e in events if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"]
+    assert any(m.strip() for m in messages), f"no model text in Codex's turn ({seconds:.0f}s):\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
+    if done.returncode != 0:
+        failed = [e for e in events if e.get("type") == "turn.failed"]
+        assert failed and "max_output_tokens" in failed[-1]["error"]["message"], events[-3:]
+    else:
+        assert any(e.get("type") == "turn.completed" for e in events)
+    logged = requests_logged(agents_server, "openai_responses")[before:]
+    assert logged and not [line for line in logged if "status=error" in line]
+    assert http_errors(agents_server) == errors
+    print(f"codex exec: {seconds:.1f}s, {len(logged)} requests, exit {done.returncode}")
