@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -265,7 +266,7 @@ def test_server_tool_blocks_replayed_in_an_assistant_turn_are_dropped() -> None:
     assert req.messages[1] == Message(role=Role.ASSISTANT, content=(TextPart(text="Found it."),))
 
 
-def test_the_fields_claude_code_sends_are_accepted_and_change_nothing_the_ir_holds() -> None:
+def test_the_fields_claude_code_sends_are_accepted_and_change_nothing_the_ir_holds_but_the_thinking() -> None:
     extras = {
         "thinking": {"type": "adaptive", "display": "omitted"},
         "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
@@ -274,8 +275,11 @@ def test_the_fields_claude_code_sends_are_accepted_and_change_nothing_the_ir_hol
         "mcp_servers": [{"type": "url", "url": "https://mcp.example", "name": "x"}],
         "service_tier": "auto",
     }
-    assert parsed(body(**extras)) == parsed(body())
-    assert parsed(body(thinking={"type": "enabled", "budget_tokens": 1024, "display": "summarized"})) == parsed(body())
+    with_extras = parsed(body(**extras))
+    assert with_extras.thinking == Thinking(enabled=True, effort="high", omitted=True)
+    assert replace(with_extras, thinking=Thinking()) == parsed(body())
+    summarized = parsed(body(thinking={"type": "enabled", "budget_tokens": 1024, "display": "summarized"}))
+    assert replace(summarized, thinking=Thinking()) == parsed(body()) and summarized.thinking.budget_tokens == 1024
     claude = parsed(body(max_tokens=128000, top_k=5, stop_sequences=["END"], metadata={"user_id": '{"device_id":"d"}'}, model="claude-opus-4-5"))
     assert (claude.model, claude.sampling.max_tokens, claude.sampling.top_k, claude.sampling.stop) == ("claude-opus-4-5", 128000, 5, ("END",))
     assert claude.metadata == (("user_id", '{"device_id":"d"}'),)

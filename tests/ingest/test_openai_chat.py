@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from ingest.openai_chat import parse
 from shared.errors import ApiError
-from shared.ir import Message, Protocol, Role, SamplingParams, TextPart, ToolCall, ToolSpec
+from shared.ir import Message, Protocol, Role, SamplingParams, TextPart, Thinking, ToolCall, ToolSpec
 
 
 def body(**fields: Any) -> dict[str, Any]:
@@ -119,6 +120,8 @@ def test_the_fields_agent_frameworks_send_are_accepted() -> None:
         "modalities": ["text"],
         "user": "u",
     }
-    assert parsed(**extras) == parsed()
+    with_extras = parsed(**extras)
+    assert with_extras.thinking == Thinking(effort="low")  # reasoning_effort is the reasoning budget; the rest change nothing
+    assert replace(with_extras, thinking=Thinking()) == parsed()
     framed = parsed(stream=True, stream_options={"include_usage": True}, parallel_tool_calls=False, metadata={"run": "r1"})
     assert (framed.include_usage, framed.parallel_tool_calls, framed.metadata) == (True, False, (("run", "r1"),))

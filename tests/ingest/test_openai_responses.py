@@ -284,7 +284,7 @@ def test_custom_tool_calls_are_rendered_as_calls_with_their_input_and_hosted_too
     ]
     assert parsed(body(input=items)).messages == (
         user("Patch it."),
-        Message(role=Role.ASSISTANT, tool_calls=(ToolCall(id="c1", name="apply_patch", arguments='{"input":"*** Begin Patch"}'),)),
+        Message(role=Role.ASSISTANT, tool_calls=(ToolCall(id="c1", name="apply_patch", arguments="*** Begin Patch", kind=ToolKind.CUSTOM),)),
         Message(role=Role.TOOL, content=(TextPart(text="Done"),), tool_call_id="c1"),
     )
 
@@ -317,5 +317,6 @@ def test_the_fields_codex_sends_are_accepted() -> None:
     }
     req = parsed(body(input=items, **extras))
     assert [m.role for m in req.messages] == [Role.DEVELOPER, Role.DEVELOPER, Role.USER, Role.ASSISTANT]
-    assert req.messages[3] == Message(role=Role.ASSISTANT, content=(TextPart(text="Hello"),), reasoning="Think.")
+    # the encrypted content wins over the shown summary (opened, or dropped, by the API node: shared.seal)
+    assert req.messages[3] == Message(role=Role.ASSISTANT, content=(TextPart(text="Hello"),), sealed_reasoning=(("", "gAAAA"),))
     assert req.metadata == (("k", "v"),) and req.tool_choice == "auto" and req.constraint is None
