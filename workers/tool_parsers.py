@@ -141,7 +141,28 @@ class _CallStream:
         self._scan = JsonScan()
         self._sent = 0
         self._args_begun = False
+        self._mode = ""  # the subclass's state; each mode is a method `_<mode>(out) -> progressed`
         self.calls = 0
+
+    def push(self, text: str) -> list[StreamDelta]:
+        self._buf += text
+        out: list[StreamDelta] = []
+        while getattr(self, f"_{self._mode}")(out):
+            pass
+        return out
+
+    def _args(self, out: list[StreamDelta]) -> bool:
+        """`args` mode: stream the arguments; then skip the rest of the wrapper object."""
+        if not self._stream_args(out):
+            return False
+        self._scan, self._mode = JsonScan(depth=1), "wrapper"
+        return True
+
+    def _wrapper(self, out: list[StreamDelta]) -> bool:
+        if not self._end_wrapper():
+            return False
+        self._mode = "between"
+        return True
 
     def _take(self, n: int) -> str:
         taken, self._buf = self._buf[:n], self._buf[n:]
@@ -185,13 +206,6 @@ class Llama3Parser(_CallStream):
         super().__init__(call_id_prefix)
         self._mode = "start"  # start | content | head | args | wrapper | between
 
-    def push(self, text: str) -> list[StreamDelta]:
-        self._buf += text
-        out: list[StreamDelta] = []
-        while getattr(self, f"_{self._mode}")(out):
-            pass
-        return out
-
     def flush(self) -> list[StreamDelta]:
         out: list[StreamDelta] = []
         if self._mode in ("args", "wrapper"):  # an unterminated call: its arguments read so far are out already
@@ -232,18 +246,6 @@ class Llama3Parser(_CallStream):
         self._mode = "args"
         return True
 
-    def _args(self, out: list[StreamDelta]) -> bool:
-        if not self._stream_args(out):
-            return False
-        self._scan, self._mode = JsonScan(depth=1), "wrapper"
-        return True
-
-    def _wrapper(self, out: list[StreamDelta]) -> bool:
-        if not self._end_wrapper():
-            return False
-        self._mode = "between"
-        return True
-
     def _between(self, out: list[StreamDelta]) -> bool:
         stripped = self._buf.lstrip()
         if not stripped:
@@ -264,13 +266,6 @@ class MistralParser(_CallStream):
     def __init__(self, call_id_prefix: str) -> None:
         super().__init__(call_id_prefix)
         self._mode = "text"  # text | form | head | args | wrapper | between | name | v11args
-
-    def push(self, text: str) -> list[StreamDelta]:
-        self._buf += text
-        out: list[StreamDelta] = []
-        while getattr(self, f"_{self._mode}")(out):
-            pass
-        return out
 
     def flush(self) -> list[StreamDelta]:
         out: list[StreamDelta] = []
@@ -323,18 +318,6 @@ class MistralParser(_CallStream):
         out.append(Content(text=self._raw + self._buf))
         self._buf, self._raw, self._mode = "", "", "text"
         return False
-
-    def _args(self, out: list[StreamDelta]) -> bool:
-        if not self._stream_args(out):
-            return False
-        self._scan, self._mode = JsonScan(depth=1), "wrapper"
-        return True
-
-    def _wrapper(self, out: list[StreamDelta]) -> bool:
-        if not self._end_wrapper():
-            return False
-        self._mode = "between"
-        return True
 
     def _between(self, out: list[StreamDelta]) -> bool:
         stripped = self._buf.lstrip()
