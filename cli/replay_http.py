@@ -108,7 +108,8 @@ def read_sse(lines: Any) -> Iterator[tuple[str | None, str]]:
 
 
 def frames_to_deltas(protocol: Protocol, frames: Iterator[tuple[str | None, str]]) -> list[StreamDelta]:
-    reader = {Protocol.OPENAI_CHAT: _chat, Protocol.ANTHROPIC_MESSAGES: _anthropic, Protocol.OPENAI_RESPONSES: _responses}[protocol]
+    readers = {Protocol.OPENAI_CHAT: _chat, Protocol.ANTHROPIC_MESSAGES: _anthropic, Protocol.OPENAI_RESPONSES: _responses, Protocol.OPENAI_COMPLETIONS: _completions}
+    reader = readers[protocol]
     deltas: list[StreamDelta] = []
     for _event, data in frames:
         if data == "[DONE]":
@@ -144,6 +145,22 @@ def _chat(payload: dict[str, Any], _seen: list[StreamDelta]) -> list[StreamDelta
                 out.append(ToolCallArgs(index=call["index"], arguments=function["arguments"]))
         if choice.get("finish_reason"):
             out.append(Finish(reason=_CHAT_REASONS[choice["finish_reason"]], usage=Usage(), token_ids=ids))
+    return out
+
+
+def _completions(payload: dict[str, Any], _seen: list[StreamDelta]) -> list[StreamDelta]:
+    """Legacy completions chunks: text only (the wire has no reasoning or tool calls)."""
+    if "error" in payload:
+        return [_error(payload["error"].get("message"), payload["error"].get("type"))]
+    out: list[StreamDelta] = []
+    for choice in payload.get("choices") or []:
+        ids = tuple(choice.get("token_ids") or ())
+        if choice.get("finish_reason"):
+            if choice.get("text"):
+                out.append(Content(text=choice["text"]))
+            out.append(Finish(reason=_CHAT_REASONS[choice["finish_reason"]], usage=Usage(), token_ids=ids))
+        elif choice.get("text") or ids:
+            out.append(Content(text=choice.get("text") or "", token_ids=ids))
     return out
 
 

@@ -14,9 +14,11 @@ class Frame:
     event: str | None = None
     comment: str | None = None  # an SSE comment line (keep-alive where the protocol has no ping event)
 
-    def to_sse(self) -> bytes:
-        """The exact bytes on the wire (used by tests and `met replay --encode-only`)."""
-        head = f": {self.comment}\n" if self.comment else ""
+    def to_sse(self, position: int | None = None) -> bytes:
+        """The exact bytes on the wire, `id:` first when the frame has a stream position (encoders.wire),
+        in blacksheep's order (used by tests and `met replay --encode-only`)."""
+        head = f"id: {position}\n" if position is not None else ""
+        head += f": {self.comment}\n" if self.comment else ""
         head += f"event: {self.event}\n" if self.event else ""
         body = f"data: {self.data}\n" if self.data else ""
         return f"{head}{body}\n".encode()

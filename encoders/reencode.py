@@ -39,6 +39,6 @@ def encode_sse(request: Request, deltas: Iterable[StreamDelta], protocol: Protoc
     the recorded request id and `created`. So for the protocol the client spoke (and streamed) the bytes
     equal what it received, minus keep-alive pings (`event: ping` / `: ping` comments), which are timing,
     not content. A stream whose terminal event was never recorded ends as each encoder's `finish()`
-    ends a cut stream.
+    ends a cut stream. Each frame carries its stream position as `id:`, as served (encoders.wire).
     """
-    return b"".join(frame.to_sse() for frame in encode_frames(request, deltas, protocol))
+    return b"".join(frame.to_sse(position) for position, frame in enumerate(encode_frames(request, deltas, protocol)))

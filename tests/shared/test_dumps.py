@@ -167,7 +167,8 @@ def test_an_error_and_a_missing_terminal_are_finish_differences() -> None:
 def test_the_clients_own_protocol_gives_the_encoders_exact_bytes(scenario: str) -> None:
     rec = record(scenario, Protocol.ANTHROPIC_MESSAGES)
     encoder = MessagesStreamEncoder(rec.request)
-    expected = b"".join(f.to_sse() for d in rec.deltas for f in encoder.feed(d)) + b"".join(f.to_sse() for f in encoder.finish())
+    served = [f for d in rec.deltas for f in encoder.feed(d)] + encoder.finish()
+    expected = b"".join(f.to_sse(position) for position, f in enumerate(served))  # each with its position, as served
     assert encode_sse(rec.request, rec.deltas, Protocol.ANTHROPIC_MESSAGES) == expected
 
 
