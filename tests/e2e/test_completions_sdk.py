@@ -136,7 +136,6 @@ def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(ap
         ({"prompt": PROMPT, "logprobs": 6}, "logprobs"),
         ({"prompt": [PROMPT, PROMPT], "stream": True}, "prompt"),
         ({"prompt": PROMPT, "n": 2, "stream": True}, "n"),
-        ({"prompt": PROMPT, "max_tokens": 8190}, "max_tokens"),
         ({"prompt": "word " * 9000}, "prompt"),
         ({}, "prompt"),
     ],
