@@ -33,18 +33,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout, not the installed one
 
-import torch  # noqa: E402
+import torch
 
-from encoders.openai_chat import ChatStreamEncoder  # noqa: E402
-from models.prompt import ModelInfo  # noqa: E402
-from shared import keys  # noqa: E402
-from shared.codec import decode_delta, encode_delta  # noqa: E402
-from shared.ir import Message, Protocol, Request, Role, SamplingParams, TextPart  # noqa: E402
-from shared.settings import Settings  # noqa: E402
-from workers.engine import Engine  # noqa: E402
-from workers.runner import TorchRunner, pick_dtype  # noqa: E402
+from encoders.openai_chat import ChatStreamEncoder
+from models.prompt import ModelInfo
+from shared import keys
+from shared.codec import decode_delta, encode_delta
+from shared.ir import Message, Protocol, Request, Role, SamplingParams, TextPart
+from shared.settings import Settings
+from workers.engine import Engine
+from workers.runner import TorchRunner, pick_dtype
 
 PHASES = ("forward", "sampler", "detok", "redis", "encode")
 SHAPES = {
@@ -78,9 +78,9 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
     try:
         from transformers import AutoTokenizer
 
-        name, folder = local_folder("smollm2", settings.model_cache)
+        _name, folder = local_folder("smollm2", settings.model_cache)
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    except Exception as exc:  # noqa: BLE001 - a bare machine has no model cache: fall back and say so
+    except Exception as exc:  # a bare machine has no model cache: fall back and say so
         print(f"(no SmolLM2 tokenizer here: {type(exc).__name__}; detokenizing with '<id>' strings)")
         folder = None
     if args.random is None:
@@ -133,7 +133,7 @@ def profile(loaded: Loaded, *, impl: str, batch: int, args: argparse.Namespace, 
         sampled = runner.sample(rows, logits)
         t2 = time.perf_counter()
         engine.scheduler.advance(plan)
-        emissions = [e for s in sampled for e in engine._append(s)]  # noqa: SLF001 - the engine's own per-token path
+        emissions = [e for s in sampled for e in engine._append(s)]  # the engine's own per-token path
         t3 = time.perf_counter()
         stored = [(e.request_id, encode_delta(e.delta)) for e in emissions]
         if redis is not None:
