@@ -6,8 +6,8 @@ all running sequences and this step's prefill chunks) through the model as one [
 batch, writes each token's keys/values to its pool rows of the paged cache (`workers.kv_cache`), and
 reads each sequence's keys/values by its block table. Logits only for the rows that sample.
 
-Attention: the decode rows (one query each) are one batched SDPA over their gathered, padded
-keys/values (the zeroed padding row of the pool, masked out); each prefill chunk is one causal SDPA,
+Attention: the decode rows (one query each) are one batched attention over their gathered, padded
+keys/values (the zeroed padding row of the pool, masked out; SDPA on CUDA, two matmuls on CPU); each prefill chunk is one causal SDPA,
 over its own fresh keys/values when it starts at position 0, else over its gathered prefix.
 
 Weights come from the HF model's own parameters (so GGUF and safetensors loading stay as they are);
@@ -216,14 +216,21 @@ def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch,
 
 
 def _decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-    # q: [B, heads, head_dim] → [B, heads, head_dim]; one batched SDPA over the padded gathered keys
-    assert batch.decode_read is not None
+    # q: [B, heads, head_dim] → [B, heads, head_dim]; one batched attention over the padded gathered keys
+    assert batch.decode_read is not None and batch.decode_mask is not None
     b, length = batch.decode_read.shape
     flat = batch.decode_read.reshape(-1)  # [B * L]
-    keys = k_pool.index_select(0, flat).view(b, length, *k_pool.shape[1:]).transpose(1, 2)  # [B, kv_heads, L, head_dim]
-    values = v_pool.index_select(0, flat).view(b, length, *v_pool.shape[1:]).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=batch.decode_mask, enable_gqa=True)  # [B, heads, 1, head_dim]
-    return out[:, :, 0, :]
+    keys = k_pool.index_select(0, flat).view(b, length, *k_pool.shape[1:])  # [B, L, kv_heads, head_dim]
+    values = v_pool.index_select(0, flat).view(b, length, *v_pool.shape[1:])
+    if q.device.type == "cuda":
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.decode_mask, enable_gqa=True)
+        return out[:, :, 0, :]  # [B, heads, head_dim]
+    # On CPU two batched matmuls beat SDPA with a mask several times over (bench notes in bench/RESULTS.md).
+    kv_heads, dim = keys.shape[2], keys.shape[3]
+    grouped = q.view(b, kv_heads, -1, dim)  # [B, kv_heads, heads / kv_heads, head_dim]
+    scores = torch.matmul(grouped, keys.permute(0, 2, 3, 1)).float() * dim**-0.5  # [B, kv_heads, group, L]
+    probs = scores.masked_fill(~batch.decode_mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, values.transpose(1, 2)).reshape(b, -1, dim)  # [B, heads, head_dim]
 
 
 def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: Chunk, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
