@@ -103,7 +103,7 @@ def requests(batch: int, prompt_len: int, steps: int) -> list[Request]:
     out = []
     for i in range(batch):
         prompt = tuple((i * 131 + k * 7) % 20000 + 100 for k in range(prompt_len))
-        sampling = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+        sampling = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
         req = Request(id=f"p{i}", protocol=Protocol.OPENAI_CHAT, model="m", messages=(Message(role=Role.USER, content=(TextPart(text="x"),)),), sampling=sampling, prompt_token_ids=prompt)
         out.append(req)
     return out

@@ -205,9 +205,8 @@ def test_the_default_model_on_the_lean_path_equals_hf_generate_for_32_tokens() -
                 tokens[e.request_id].extend(e.delta.token_ids)
         if not engine.has_work():
             break
+    model.generation_config.eos_token_id = None  # EOS off, not banned: our requests ignore it (min_new_tokens would ban it)
     for r in requests:
         prompt = torch.tensor([r.prompt_token_ids])
-        # EOS off (not banned): our requests ignore EOS, and min_new_tokens would ban it instead
-        config = transformers.GenerationConfig(max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
-        generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=config)
+        generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False, pad_token_id=0)
         assert tokens[r.id] == generated[0, prompt.shape[1] :].tolist(), r.id
