@@ -235,10 +235,12 @@ def _decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
 
 def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: Chunk, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
     # q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] (this chunk's own) → [T, heads, head_dim]
+    # 4-D inputs: with 3-D ones, CPU SDPA takes the math path (≈ 2.5x slower here, bf16, 256 tokens)
     if chunk.read is None:  # the chunk starts the sequence: its own keys are all it attends to
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True)
+        keys, values, mask = k.transpose(0, 1), v.transpose(0, 1), None
     else:
         keys = k_pool.index_select(0, chunk.read).transpose(0, 1)  # [kv_heads, start + T, head_dim]
         values = v_pool.index_select(0, chunk.read).transpose(0, 1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=chunk.mask, enable_gqa=True)
-    return out.transpose(0, 1)  # [T, heads, head_dim]
+        mask = chunk.mask
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [T, heads, head_dim]
