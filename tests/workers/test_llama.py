@@ -27,6 +27,8 @@ FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "llama3-rope-tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen2-linear-rope": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+    "llama-yarn-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
 }
