@@ -3,7 +3,8 @@
 KV cache: the paged block pool of `workers.kv_cache` (blocks of `BLOCK_SIZE` positions, sized by
 `--kv-budget-mb`, or a share of free memory by default).
 
-Two model paths (`--model-impl`, MET_MODEL_IMPL):
+Two model paths (`--model-impl`, MET_MODEL_IMPL; the server's default is still `hf` until
+tests/e2e/test_scheduling.py's n-choices reproducibility check passes on lean, see bench/RESULTS.md):
 - lean (`auto` picks it for the Llama family, `workers.llama`): ONE forward per step — the decode
   tokens of every running sequence and this step's prefill chunks flattened into one [tokens] batch
   (`step_batch`), each token with its position and the pool row it writes; attention reads each
