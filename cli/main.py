@@ -30,6 +30,7 @@ RedisUrl = Annotated[str | None, typer.Option("--redis-url", help="redis:// or r
 DataDir = Annotated[str | None, typer.Option(help="Where the embedded Redis and converted models live.")]
 Device = Annotated[str | None, typer.Option(help="auto (CUDA if present, else CPU), cpu, cuda, cuda:1...")]
 Dtype = Annotated[str | None, typer.Option(help="bfloat16 (default), float16 or float32.")]
+ModelImpl = Annotated[str | None, typer.Option(help="hf (default: transformers' forward), lean (our one-forward-per-step path, Llama family) or auto (lean where supported).")]
 MaxRunning = Annotated[int | None, typer.Option(help="Most sequences a worker decodes together.")]
 KvBudget = Annotated[int | None, typer.Option("--kv-budget-mb", help="KV block pool per worker, MiB (default: a share of free memory).")]
 PrefixCache = Annotated[bool | None, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of identical prompt prefixes (on by default).")]
@@ -128,6 +129,7 @@ def serve(
     data_dir: DataDir = None,
     device: Device = None,
     dtype: Dtype = None,
+    model_impl: ModelImpl = None,
     max_running: MaxRunning = None,
     kv_budget_mb: KvBudget = None,
     prefix_cache: PrefixCache = None,
@@ -221,6 +223,7 @@ def worker(
     data_dir: DataDir = None,
     device: Device = None,
     dtype: Dtype = None,
+    model_impl: ModelImpl = None,
     max_running: MaxRunning = None,
     kv_budget_mb: KvBudget = None,
     prefix_cache: PrefixCache = None,

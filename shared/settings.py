@@ -29,6 +29,7 @@ class Settings:
     served_model_name: str | None = None
     device: str = "auto"
     dtype: str = "bfloat16"
+    model_impl: str = "hf"  # hf (transformers' forward) | lean (ours, Llama family) | auto (lean where supported); see workers.runner
     workers: int = 1
     data_dir: str = ""  # embedded Redis data and the redis.url file
     model_cache: str = ""  # converted models (GGUF → safetensors); shared by every data dir

@@ -9,8 +9,9 @@ memory until load needs it. Which blocks a sequence holds is decided by the torc
 `PagedKVCache` plugs into any transformers decoder through the `Cache` interface (the HF path): each
 layer's `update` scatters the new keys/values into their rows, then gathers the rows of every
 sequence of the batch into the contiguous [B, kv_heads, kv_len, head_dim] views its attention wants;
-the prepared 4-D mask gives each row its own length. An own attention reading the blocks in place
-(a flattened varlen forward) can replace the gather without changing this layout.
+the prepared 4-D mask gives each row its own length. The lean path (`workers.llama`, one flattened
+forward per step) uses the same pools directly: it writes each token's row and gathers each
+sequence's rows itself, without `bind`/`update`.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         kv_budget_mb=settings.kv_budget_mb,
         device=device,
         dtype=dtype,
+        model_impl=settings.model_impl,
     )
     runner.eos_ids = renderer.info.eos_token_ids  # min_tokens bans these until reached
     runner.tokenizer = renderer.tokenizer  # DRY sequence breakers are tokenized with it
@@ -55,6 +56,7 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         "model": settings.served_model_name or name,
         "device": str(device),
         "dtype": settings.dtype,
+        "model_impl": "lean" if runner.lean is not None else "hf",
         "kv_blocks": str(runner.num_blocks),
         "kv_block_size": str(runner.block_size),
         "kv_bytes": str(runner.kv_bytes),

@@ -1,10 +1,18 @@
 """The runner: all torch and transformers code of a worker. Plain functions, tensor shapes in comments.
 
 KV cache: the paged block pool of `workers.kv_cache` (blocks of `BLOCK_SIZE` positions, sized by
-`--kv-budget-mb`, or a share of free memory by default). Each forward gets, per batch row, the pool
-rows its new tokens go to and the rows of the sequence's positions so far (from its block table);
-a boolean 4-D mask gives each row its own length. It plugs into any transformers decoder through the
-`Cache` interface, so `--model` is not tied to one architecture (Llama, Qwen2/3, Mistral included).
+`--kv-budget-mb`, or a share of free memory by default).
+
+Two model paths (`--model-impl`, MET_MODEL_IMPL; the server's default is still `hf` until
+tests/e2e/test_scheduling.py's n-choices reproducibility check passes on lean, see bench/RESULTS.md):
+- lean (`auto` picks it for the Llama family, `workers.llama`): ONE forward per step — the decode
+  tokens of every running sequence and this step's prefill chunks flattened into one [tokens] batch
+  (`step_batch`), each token with its position and the pool row it writes; attention reads each
+  sequence's keys/values through its block table.
+- hf (any other architecture, or asked for): transformers' generic forward, once for the decode batch
+  and once per prefill chunk; per batch row the pool rows its new tokens go to and the rows of the
+  sequence's positions so far, a boolean 4-D mask giving each row its own length, plugged in through
+  the `Cache` interface (`PagedKVCache.bind`).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
+from workers import llama
 from workers.blocks import BLOCK_SIZE
 from workers.kv_cache import KVGeometry, PagedKVCache, default_budget_mb
 from workers.sampling import SamplerRow, TokenLogprobData, breaker_ids, sample
@@ -42,10 +51,15 @@ def load_model(folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any
     return model.to(device).eval()
 
 
-class TorchRunner:
-    """Executes a `StepPlan`: one batched decode forward, then one forward per prefill chunk."""
+MODEL_IMPLS = ("auto", "lean", "hf")
 
-    def __init__(self, model: Any, *, max_len: int, kv_budget_mb: int, device: torch.device, dtype: torch.dtype) -> None:
+
+class TorchRunner:
+    """Executes a `StepPlan`: one flattened forward (lean), or a decode forward plus one per chunk (hf)."""
+
+    def __init__(self, model: Any, *, max_len: int, kv_budget_mb: int, device: torch.device, dtype: torch.dtype, model_impl: str = "auto") -> None:
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"--model-impl {model_impl!r}: choose one of {', '.join(MODEL_IMPLS)}")
         self.model = model
         self.device = device
         geometry = KVGeometry.of(model, dtype)
@@ -63,6 +77,11 @@ class TorchRunner:
         self.mask_s = 0.0  # seconds spent on grammar masks, over `masked_steps` steps (heartbeat figures)
         self.masked_steps = 0
         self.masked_rows = 0  # constrained rows masked, summed over those steps
+        why_not = llama.unsupported(model, max_len=max_len) if model_impl != "hf" else "--model-impl hf"
+        if why_not is not None and model_impl == "lean":
+            raise ValueError(f"--model-impl lean: {why_not}")
+        self.lean = llama.from_hf(model) if why_not is None else None
+        log.info("model path: %s", "lean (one flattened forward per step)" if self.lean else f"hf (generic forward; {why_not})")
         how = "--kv-budget-mb" if kv_budget_mb else "default: a share of free memory"
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s)", self.num_blocks, BLOCK_SIZE, self.num_blocks * BLOCK_SIZE, self.kv_bytes / 2**20, how)
 
@@ -72,6 +91,23 @@ class TorchRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[Sampled]:
+        rows, logits = self.forward(plan)
+        if not rows:
+            return []
+        return self.sample(rows, logits)
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> tuple[list[Sequence], torch.Tensor]:
+        """The step's model work: the sequences that sample, and their logits [R, vocab] float32."""
+        if self.lean is not None:
+            rows = [*plan.decode, *(c.seq for c in plan.prefill if c.completes_prompt)]
+            if not plan.decode and not plan.prefill:
+                return [], torch.empty(0)
+            batch = step_batch(plan, block_size=self.block_size, pad_row=self.cache.pad_row, device=self.device)
+            return rows, llama.forward(self.lean, batch, self.cache.keys, self.cache.values).float()
+        return self._hf_forward(plan)
+
+    def _hf_forward(self, plan: StepPlan) -> tuple[list[Sequence], torch.Tensor]:
         rows: list[Sequence] = []
         logits: list[torch.Tensor] = []
         if plan.decode:
@@ -83,9 +119,12 @@ class TorchRunner:
                 logits.append(out)
                 rows.append(chunk.seq)
         if not rows:
-            return []
-        stacked = torch.cat(logits).float()  # [B, vocab]
-        result = sample(stacked, [self._sampler_row(s) for s in rows])
+            return [], torch.empty(0)
+        return rows, torch.cat(logits).float()  # [B, vocab]
+
+    @torch.inference_mode()
+    def sample(self, rows: list[Sequence], logits: torch.Tensor) -> list[Sampled]:
+        result = sample(logits, [self._sampler_row(s) for s in rows])
         if result.mask_s:
             self.mask_s += result.mask_s
             self.masked_steps += 1
@@ -127,6 +166,50 @@ class TorchRunner:
         input_ids = torch.tensor([seq.context[chunk.start : chunk.end]], device=self.device)  # [1, T]
         positions = torch.arange(chunk.start, chunk.end, device=self.device)[None, :]  # [1, T]
         return self._forward([seq], input_ids, positions)
+
+
+def step_batch(plan: StepPlan, *, block_size: int, pad_row: int, device: torch.device) -> llama.StepBatch:
+    """A plan flattened for `llama.forward`: decode tokens first, then each prefill chunk's tokens."""
+    ids: list[int] = [s.output[-1] for s in plan.decode]
+    positions: list[int] = [s.computed for s in plan.decode]
+    tables = [s.blocks for s in plan.decode]
+    chunk_spans: list[tuple[int, PrefillChunk]] = []
+    for c in plan.prefill:
+        chunk_spans.append((len(ids), c))
+        ids.extend(c.seq.context[c.start : c.end])
+        positions.extend(range(c.start, c.end))
+    seqs = [*plan.decode, *(c.seq for c in plan.prefill for _ in range(c.end - c.start))]
+    write = [s.blocks[p // block_size] * block_size + p % block_size for s, p in zip(seqs, positions, strict=True)]
+    decode_read = decode_mask = None
+    if plan.decode:
+        length = max(positions[: len(plan.decode)]) + 1
+        width = -(-length // block_size)
+        table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long)  # [B, width]
+        key_pos = torch.arange(length)  # [L]
+        valid = key_pos[None, :] <= torch.tensor(positions[: len(plan.decode)])[:, None]  # [B, L]
+        rows = table[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, L]
+        decode_read = torch.where(valid, rows, pad_row).to(device, non_blocking=True)
+        decode_mask = valid[:, None, None, :].to(device, non_blocking=True)  # [B, 1, 1, L]
+    chunks = []
+    for offset, c in chunk_spans:
+        if c.start == 0:
+            chunks.append(llama.Chunk(offset=offset, length=c.end - c.start, read=None, mask=None))
+            continue
+        key_pos = torch.arange(c.end)
+        read = torch.tensor(c.seq.blocks, dtype=torch.long)[key_pos // block_size] * block_size + key_pos % block_size  # [end]
+        mask = key_pos[None, :] <= torch.arange(c.start, c.end)[:, None]  # [T, end] causal from position start
+        chunks.append(llama.Chunk(offset=offset, length=c.end - c.start, read=read.to(device, non_blocking=True), mask=mask.to(device, non_blocking=True)))
+    sample_at = list(range(len(plan.decode))) + [offset + c.end - c.start - 1 for offset, c in chunk_spans if c.completes_prompt]
+    return llama.StepBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        write=torch.tensor(write, dtype=torch.long, device=device),
+        decode=len(plan.decode),
+        decode_read=decode_read,
+        decode_mask=decode_mask,
+        chunks=tuple(chunks),
+        sample=torch.tensor(sample_at, dtype=torch.long, device=device),
+    )
 
 
 def _sampled(seq: Sequence, token: int, logprob: TokenLogprobData | None) -> Sampled:

@@ -31,6 +31,9 @@ Every scalar parameter is a [rows] tensor applied to the whole batch (or to the 
 penalties use count tensors built by scatter from padded id tensors, only when some row needs them.
 Only DRY's sequence matching and the seeded draws loop over rows.
 
+Fast path: a batch whose rows are all greedy and use none of stages 1-5 (the common serving case)
+skips the processing entirely: its tokens are the raw logits' argmax, with no copy of the logits.
+
 Logprobs are those of the RAW model logits (log-softmax before any stage above), as OpenAI and
 vLLM report them by default: the chosen token's, and the `top_logprobs` best (id, logprob) pairs.
 """
@@ -90,6 +93,9 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> SampleResult:
     # logits: [B, vocab] float32 raw model logits, left unchanged
     if not rows:
         return SampleResult(tokens=[], logprobs=[])
+    if all(r.params.greedy and _plain(r) for r in rows):
+        token_list = logits.argmax(dim=-1).tolist()
+        return SampleResult(tokens=token_list, logprobs=_logprobs(logits, rows, token_list))
     timer = _Timer()
     processed = process_logits(logits, rows, timer=timer)  # [B, vocab]; greedy rows are one-hot
     tokens = processed.argmax(dim=-1)  # [B]; final for greedy rows, overwritten below for the others
@@ -100,6 +106,20 @@ def sample(logits: torch.Tensor, rows: list[SamplerRow]) -> SampleResult:
         tokens[index] = _draw(probs, [rows[i].generator for i in drawn])
     token_list = tokens.tolist()
     return SampleResult(tokens=token_list, logprobs=_logprobs(logits, rows, token_list), mask_s=timer.seconds)
+
+
+def _plain(row: SamplerRow) -> bool:
+    """Whether stages 1-5 and the grammar leave this row's logits as they are."""
+    p = row.params
+    return (
+        not p.logit_bias
+        and not (len(row.output) < p.min_tokens and ((row.eos_ids and not p.ignore_eos) or p.stop_token_ids))
+        and p.repetition_penalty in (None, 1.0)
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        and p.dry_multiplier <= 0
+        and row.grammar is None
+    )
 
 
 class _Timer:

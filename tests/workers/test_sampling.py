@@ -293,3 +293,16 @@ def test_logprobs_are_those_of_the_raw_logits_with_sorted_top_alternatives() -> 
     assert [lp for _, lp in first.top] == pytest.approx(best.values.tolist())
     assert third.token_id == int(logits[2].argmax()) and third.top == ()
     assert third.logprob == pytest.approx(raw[2].max().item())
+
+
+def test_a_batch_of_plain_greedy_rows_takes_the_argmax_without_processing_the_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    import workers.sampling
+
+    logits = random_logits(3, seed=9)
+    expected = logits.argmax(dim=-1).tolist()
+    plain = [row(temperature=0.0), row(top_k=1), row(temperature=0.0, logprobs=True, top_logprobs=2)]
+    monkeypatch.setattr(workers.sampling, "process_logits", lambda *a, **k: pytest.fail("processed a plain greedy batch"))
+    result = sample(logits, plain)
+    assert result.tokens == expected and result.logprobs[2] is not None and result.logprobs[0] is None
+    with pytest.raises(pytest.fail.Exception):  # a penalty (or any sampled row) still goes through the stages
+        sample(logits, [*plain, row(temperature=0.0, repetition_penalty=1.3, output=(1, 2))])

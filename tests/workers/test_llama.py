@@ -1,0 +1,265 @@
+"""Our lean Llama-family forward (workers.llama) against transformers' own forward, family by family:
+every sampled row's logits match a full HF forward of that sequence's context, and greedy tokens
+match HF greedy — alone, in batches that mix decode rows with prefill chunks at other positions,
+on prefix-cache hits, and after preemption. Architectures we do not implement keep the HF path."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from shared.deltas import Content, Finish
+from shared.ir import Request
+from shared.settings import Settings
+from workers import llama
+from workers.engine import Engine
+from workers.runner import TorchRunner
+from workers.scheduler import Sequence
+
+from .fakes import INFO, ByteTokenizer, make_request
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3-rope-tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen2-linear-rope": ("Qwen2Config", "Qwen2ForCausalLM", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+    "llama-yarn-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+}
+
+
+def tiny(family: str, seed: int = 0) -> Any:
+    config_class, model_class, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    kwargs: dict[str, Any] = {"vocab_size": 257, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    config = getattr(transformers, config_class)(**{**kwargs, **extra})
+    return getattr(transformers, model_class)(config).eval()
+
+
+def prompt_request(rid: str, prompt: list[int], max_tokens: int) -> Request:
+    return replace(make_request(rid, max_tokens=max_tokens, ignore_eos=True, temperature=0.0), prompt_token_ids=tuple(prompt))
+
+
+class Recorded:
+    """Every sampled row of a run: the context it was sampled after, and our logits for it."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[list[int], torch.Tensor]] = []
+
+
+def run(model: Any, arrivals: dict[int, list[Request]], *, impl: str = "lean", step_tokens: int = 24, blocks: int | None = None, record: Recorded | None = None) -> tuple[dict[str, list[int]], Engine]:
+    runner = TorchRunner(model, max_len=256, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.float32, model_impl=impl)
+    if blocks is not None:
+        runner.num_blocks = blocks  # the bookkeeping pool is smaller than the tensors: preemption comes sooner
+    if record is not None:
+        sample = runner.sample
+
+        def recording(rows: list[Sequence], logits: torch.Tensor) -> Any:
+            record.rows.extend(([*s.prompt, *s.output], logits[i].clone()) for i, s in enumerate(rows))
+            return sample(rows, logits)
+
+        runner.sample = recording  # type: ignore[method-assign]
+    engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=8, max_tokens_per_step=step_tokens))
+    tokens: dict[str, list[int]] = {r.id: [] for rs in arrivals.values() for r in rs}
+    for step in range(1000):
+        for r in arrivals.get(step, []):
+            engine.add(r)
+        for e in engine.step():
+            if isinstance(e.delta, (Content, Finish)):
+                tokens[e.request_id].extend(e.delta.token_ids)
+        if not engine.has_work() and step >= max(arrivals):
+            return tokens, engine
+    raise AssertionError("did not finish")
+
+
+@torch.inference_mode()
+def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(n - 1):
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+@torch.inference_mode()
+def assert_logits_match_hf(model: Any, record: Recorded) -> None:
+    assert record.rows
+    for context, ours in record.rows:
+        reference = model(input_ids=torch.tensor([context])).logits[0, -1].float()
+        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+
+def prompts(n: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    return [[(i * 7 + k * 13) % 250 + 1 for i in range(length)] for k, length in zip(range(n), lengths, strict=False)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_single_prompt_gives_hf_greedy_tokens_and_logits(family: str) -> None:
+    model = tiny(family)
+    [prompt] = prompts(1, (37,))
+    record = Recorded()
+    tokens, engine = run(model, {0: [prompt_request("a", prompt, 16)]}, record=record)
+    assert engine.runner.lean is not None  # type: ignore[attr-defined]
+    assert tokens["a"] == hf_greedy(model, prompt, 16)
+    assert_logits_match_hf(model, record)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_rows_and_prefill_chunks_in_one_forward_match_hf(family: str) -> None:
+    model = tiny(family, seed=1)
+    ps = prompts(4, (5, 21, 40, 70))
+    requests = [prompt_request(f"r{k}", p, 14) for k, p in enumerate(ps)]
+    record = Recorded()
+    # 24 tokens a step: the long prompts arrive while the first ones decode, and prefill in chunks beside them
+    tokens, engine = run(model, {0: requests[:2], 3: requests[2:3], 6: requests[3:]}, record=record)
+    assert engine.stats.batch_peak >= 3
+    for r, p in zip(requests, ps, strict=True):
+        assert tokens[r.id] == hf_greedy(model, p, 14), r.id
+    assert_logits_match_hf(model, record)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_cache_hits_reuse_blocks_and_match_hf(family: str) -> None:
+    model = tiny(family, seed=2)
+    shared = prompts(1, (50,))[0]
+    ps = [shared + [200 + k] * (3 + k) for k in range(3)]
+    requests = [prompt_request(f"p{k}", p, 10) for k, p in enumerate(ps)]
+    record = Recorded()
+    tokens, engine = run(model, {0: requests[:1], 20: requests[1:]}, record=record)
+    assert engine.scheduler.pool.hits >= 2 * 48
+    for r, p in zip(requests, ps, strict=True):
+        assert tokens[r.id] == hf_greedy(model, p, 10), r.id
+    assert_logits_match_hf(model, record)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_preempted_sequences_recompute_and_match_hf(family: str) -> None:
+    model = tiny(family, seed=3)
+    ps = prompts(3, (30, 34, 38))
+    requests = [prompt_request(f"g{k}", p, 30) for k, p in enumerate(ps)]
+    record = Recorded()
+    tokens, engine = run(model, {0: requests}, blocks=8, step_tokens=64, record=record)  # 128 positions for 3 x ~64
+    assert engine.scheduler.preemptions >= 1
+    for r, p in zip(requests, ps, strict=True):
+        assert tokens[r.id] == hf_greedy(model, p, 30), r.id
+    assert_logits_match_hf(model, record)
+
+
+def test_the_hf_path_stays_available_and_agrees_with_the_lean_one() -> None:
+    model = tiny("llama", seed=4)
+    ps = prompts(3, (9, 26, 45))
+    arrivals = {0: [prompt_request(f"h{k}", p, 12) for k, p in enumerate(ps)]}
+    lean, _ = run(model, arrivals)
+    hf, engine = run(model, arrivals, impl="hf")
+    assert engine.runner.lean is None  # type: ignore[attr-defined]
+    assert lean == hf
+
+
+def test_an_unimplemented_rope_type_falls_back_to_the_hf_path() -> None:
+    torch.manual_seed(5)
+    config = transformers.LlamaConfig(
+        vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    assert llama.unsupported(model, max_len=256) == "RoPE type 'dynamic' is not implemented"
+    [prompt] = prompts(1, (20,))
+    tokens, engine = run(model, {0: [prompt_request("d", prompt, 10)]}, impl="auto")
+    assert engine.runner.lean is None  # type: ignore[attr-defined]
+    assert tokens["d"] == hf_greedy(model, prompt, 10)
+    with pytest.raises(ValueError, match="dynamic"):
+        TorchRunner(model, max_len=256, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.float32, model_impl="lean")
+
+
+@pytest.mark.model
+@pytest.mark.timeout(900)
+def test_the_default_model_on_the_lean_path_equals_hf_generate_for_32_tokens() -> None:
+    from models.files import local_folder
+    from models.prompt import PromptRenderer
+    from shared.ir import Message, Protocol, Role, SamplingParams, TextPart
+    from workers.runner import load_model
+
+    settings = Settings.from_env(os.environ)
+    name, folder = local_folder(settings.model, settings.model_cache)
+    renderer = PromptRenderer.load(folder, name=name, max_model_len=512)
+    model = load_model(folder, device=torch.device("cpu"), dtype=torch.float32)
+    questions = ["What is the capital of France?", "Write a haiku about the sea."]
+    requests = []
+    for i, q in enumerate(questions):
+        req = Request(id=f"q{i}", protocol=Protocol.OPENAI_CHAT, model="m", messages=(Message(role=Role.USER, content=(TextPart(text=q),)),), sampling=SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+        requests.append(replace(req, prompt_token_ids=tuple(renderer.render(req))))
+    runner = TorchRunner(model, max_len=512, kv_budget_mb=64, device=torch.device("cpu"), dtype=torch.float32, model_impl="lean")
+    engine = Engine(runner, renderer.tokenizer, renderer.info, settings=Settings(max_running=4, max_tokens_per_step=32))
+    tokens: dict[str, list[int]] = {r.id: [] for r in requests}
+    engine.add(requests[0])
+    for step in range(300):
+        if step == 2:
+            engine.add(requests[1])  # its prompt prefills in chunks beside the first one's decodes
+        for e in engine.step():
+            if isinstance(e.delta, (Content, Finish)):
+                tokens[e.request_id].extend(e.delta.token_ids)
+        if not engine.has_work():
+            break
+    model.generation_config.eos_token_id = None  # EOS off, not banned: our requests ignore it (min_new_tokens would ban it)
+    for r in requests:
+        prompt = torch.tensor([r.prompt_token_ids])
+        generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False, pad_token_id=0)
+        assert tokens[r.id] == generated[0, prompt.shape[1] :].tolist(), r.id
+
+
+def test_in_bf16_a_prefix_cache_hit_gives_bit_identical_logits_to_the_full_prefill() -> None:
+    model = tiny("llama", seed=6).to(torch.bfloat16)
+    runner = TorchRunner(model, max_len=256, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.bfloat16)
+    record = Recorded()
+    sample = runner.sample
+
+    def recording(rows: list[Sequence], logits: torch.Tensor) -> Any:
+        record.rows.extend(([*s.prompt, *s.output], logits[i].clone()) for i, s in enumerate(rows))
+        return sample(rows, logits)
+
+    runner.sample = recording  # type: ignore[method-assign]
+    engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=4, max_tokens_per_step=256))
+    [prompt] = prompts(1, (90,))
+    for rid in ("first", "again"):  # the second finds 80 of the 90 prompt tokens cached
+        engine.add(prompt_request(rid, prompt, 6))
+        while engine.has_work():
+            engine.step()
+    assert engine.scheduler.pool.hits == 80
+    first, again = record.rows[:6], record.rows[6:]
+    assert [c for c, _ in first] == [c for c, _ in again]
+    for (_, a), (_, b) in zip(first, again, strict=True):
+        assert torch.equal(a, b)  # a seeded draw at temperature 1 must not depend on the cache
+
+
+def test_in_bf16_a_sequence_gets_the_same_logits_alone_and_among_longer_batch_mates() -> None:
+    def logits_of_me(requests: list[Request]) -> list[torch.Tensor]:
+        model = tiny("qwen3", seed=7).to(torch.bfloat16)
+        runner = TorchRunner(model, max_len=256, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.bfloat16)
+        mine: list[torch.Tensor] = []
+        sample = runner.sample
+
+        def recording(rows: list[Sequence], logits: torch.Tensor) -> Any:
+            mine.extend(logits[i].clone() for i, s in enumerate(rows) if s.key == "me")
+            return sample(rows, logits)
+
+        runner.sample = recording  # type: ignore[method-assign]
+        engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=8, max_tokens_per_step=512))
+        for r in requests:
+            engine.add(r)
+        while engine.has_work():
+            engine.step()
+        return mine
+
+    ps = prompts(4, (20, 150, 90, 40))
+    me = prompt_request("me", ps[0], 8)
+    alone = logits_of_me([me])
+    crowded = logits_of_me([me, *(prompt_request(f"o{k}", p, 8) for k, p in enumerate(ps[1:]))])
+    assert len(alone) == len(crowded) == 8
+    assert all(torch.equal(a, b) for a, b in zip(alone, crowded, strict=True))  # (the hf path differs by ~2e-3 here)
