@@ -31,6 +31,19 @@ from shared.ir import Request
 DONE = Frame("[DONE]")
 
 
+class DoneOnce:
+    """The close of a stream that ends with `data: [DONE]` (chat and legacy completions)."""
+
+    _done = False
+
+    def finish(self) -> list[Frame]:
+        """Close the stream: `[DONE]` once; later calls return nothing."""
+        if self._done:
+            return []
+        self._done = True
+        return [DONE]
+
+
 def completion_id(request: Request) -> str:
     return f"chatcmpl-{request.id}"
 
@@ -63,7 +76,7 @@ def logprobs_json(entries: tuple[TokenLogprob, ...]) -> dict[str, Any]:
     }
 
 
-class ChatStreamEncoder:
+class ChatStreamEncoder(DoneOnce):
     """Deltas → SSE frames for one streaming chat request."""
 
     def __init__(self, request: Request) -> None:
@@ -130,13 +143,6 @@ class ChatStreamEncoder:
             return []
         fields = {"content": delta.text} if isinstance(delta, Content) else {"reasoning_content": delta.text, "reasoning": delta.text}
         return [self._chunk(fields, extra=extra or None)]
-
-    def finish(self) -> list[Frame]:
-        """Close the stream: `[DONE]` once; later calls return nothing."""
-        if self._done:
-            return []
-        self._done = True
-        return [DONE]
 
 
 class ChatCompletionAccumulator:

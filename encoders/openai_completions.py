@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from encoders.frames import Frame, json_frame
-from encoders.openai_chat import DONE, error_json, usage_json
+from encoders.openai_chat import DoneOnce, error_json, usage_json
 from shared.deltas import Content, Error, Finish, StreamDelta, TokenLogprob, Usage
 from shared.ir import Request, TextCompletion
 
@@ -61,7 +61,7 @@ def _append(out: dict[str, list[Any]], e: TokenLogprob, *, top: int, offset: int
     out["text_offset"].append(offset)
 
 
-class CompletionStreamEncoder:
+class CompletionStreamEncoder(DoneOnce):
     """Deltas → SSE frames for one streaming completion (one prompt, one choice)."""
 
     def __init__(self, request: Request) -> None:
@@ -115,13 +115,6 @@ class CompletionStreamEncoder:
         if not (text or delta.token_ids or logprobs):
             return []
         return [self._chunk(text, logprobs=logprobs, token_ids=delta.token_ids)]
-
-    def finish(self) -> list[Frame]:
-        """Close the stream: `[DONE]` once; later calls return nothing."""
-        if self._done:
-            return []
-        self._done = True
-        return [DONE]
 
 
 class CompletionAccumulator:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -138,3 +139,16 @@ def http_errors(server: LiveServer) -> dict[str, float]:
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     found = re.findall(r'^met_http_errors_total\{status="(\d+)"\} ([0-9.e+]+)$', text, re.MULTILINE)
     return {status: float(count) for status, count in found}
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    """The default model's tokenizer (the converted SmolLM2 folder), for tests that build tiny models on it."""
+    from transformers import AutoTokenizer
+
+    from models.files import local_folder
+    from shared.settings import Settings
+
+    settings = Settings.from_env(os.environ)
+    _, folder = local_folder(settings.model, settings.model_cache)
+    return AutoTokenizer.from_pretrained(str(folder))

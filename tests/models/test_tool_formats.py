@@ -5,21 +5,17 @@ each family's tool_choice grammar accepting exactly its own syntax, which its pa
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import replace
 from typing import Any
 
 import pytest
 from llguidance import LLMatcher
-from transformers import AutoTokenizer
 
-from models.files import local_folder
 from models.grammar import tokenizer_for
 from models.tool_formats import HERMES, LLAMA3, MISTRAL, ToolFormat, for_request, select
 from models.tools import tool_grammar
 from shared.deltas import ToolCallArgs, ToolCallStart
 from shared.ir import Constraint, ConstraintKind, Protocol, Request, ToolKind, ToolSpec
-from shared.settings import Settings
 from workers.tools import make_parser
 
 QWEN = """{%- if tools %}{{- '<|im_start|>system\\n' }}# Tools\\n<tools>{%- for tool in tools %}{{- tool | tojson }}{%- endfor %}</tools>
@@ -50,13 +46,6 @@ def test_auto_picks_the_family_the_template_spells(template: str | None, family:
 def test_an_explicit_setting_wins_and_none_turns_calls_off() -> None:
     assert select(QWEN, "llama3") is LLAMA3 and select(LLAMA31, "mistral") is MISTRAL and select(QWEN, "none") is None
     assert select([{"name": "default", "template": MISTRAL_V3}, {"name": "tool_use", "template": ""}], "auto") is MISTRAL
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    settings = Settings.from_env(os.environ)
-    _, folder = local_folder(settings.model, settings.model_cache)
-    return AutoTokenizer.from_pretrained(str(folder))
 
 
 @pytest.fixture(scope="module")

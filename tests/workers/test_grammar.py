@@ -36,13 +36,6 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    settings = Settings.from_env(os.environ)
-    _, folder = local_folder(settings.model, settings.model_cache)
-    return AutoTokenizer.from_pretrained(str(folder))
-
-
-@pytest.fixture(scope="module")
 def info(tokenizer: Any) -> ModelInfo:
     return ModelInfo(name="tiny", max_model_len=256, eos_token_ids=(tokenizer.eos_token_id,), sampling_defaults={})
 
