@@ -11,8 +11,10 @@ so a client reading either name gets it; `completion_tokens_details.reasoning_to
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from encoders.fan_in import FanInEncoder
 from encoders.frames import Frame, json_frame
 from shared.deltas import (
     Content,
@@ -32,9 +34,23 @@ DONE = Frame("[DONE]")
 
 
 class DoneOnce:
-    """The close of a stream that ends with `data: [DONE]` (chat and legacy completions)."""
+    """The close of a stream that ends with `data: [DONE]` (chat and legacy completions): with
+    `include_usage`, a last chunk with `choices: []` and the usage, then `[DONE]`. A stream of several
+    choices (n > 1, several prompts) is closed once for all of them (encoders.fan_in); its members
+    are built with `closes=False`."""
 
     _done = False
+    _base: dict[str, Any]
+    _request: Request
+
+    def close(self, usage: Usage | None) -> list[Frame]:
+        """The usage chunk (when asked for, and there is a usage: not after an error), then `[DONE]`."""
+        frames = (
+            [json_frame({**self._base, "choices": [], "usage": usage_json(usage)})]
+            if usage is not None and self._request.include_usage
+            else []
+        )
+        return frames + self.finish()
 
     def finish(self) -> list[Frame]:
         """Close the stream: `[DONE]` once; later calls return nothing."""
@@ -77,10 +93,13 @@ def logprobs_json(entries: tuple[TokenLogprob, ...]) -> dict[str, Any]:
 
 
 class ChatStreamEncoder(DoneOnce):
-    """Deltas → SSE frames for one streaming chat request."""
+    """Deltas → SSE frames for one streaming chat request (choice `index`; `closes=False`: one choice
+    of several, whose stream is closed by encoders.fan_in)."""
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, *, index: int = 0, closes: bool = True) -> None:
         self._request = request
+        self._index = index
+        self._closes = closes
         self._base = {
             "id": completion_id(request),
             "object": "chat.completion.chunk",
@@ -92,13 +111,17 @@ class ChatStreamEncoder(DoneOnce):
         self._done = False
 
     def _chunk(self, delta: dict[str, Any], *, finish_reason: str | None = None, extra: dict[str, Any] | None = None) -> Frame:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": self._index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         if extra:
             choice.update(extra)
         payload = {**self._base, "choices": [choice]}
         if self._request.include_usage:
             payload["usage"] = None
         return json_frame(payload)
+
+    def opening(self) -> list[Frame]:
+        """The first chunk (the role), once; a stream of several choices sends every choice's first."""
+        return self._role_frames()
 
     def _role_frames(self) -> list[Frame]:
         if self._role_sent:
@@ -125,12 +148,12 @@ class ChatStreamEncoder(DoneOnce):
             frames.append(self._chunk({"tool_calls": [{"index": delta.index, "function": {"arguments": delta.arguments}}]}))
         elif isinstance(delta, Finish):
             frames.append(self._chunk({}, finish_reason=delta.reason.openai, extra=self._token_extra(delta.token_ids)))
-            if self._request.include_usage:
-                frames.append(json_frame({**self._base, "choices": [], "usage": usage_json(delta.usage)}))
-            frames.extend(self.finish())
+            if self._closes:
+                frames.extend(self.close(delta.usage))
         elif isinstance(delta, Error):
             frames.append(json_frame(error_json(delta)))
-            frames.extend(self.finish())
+            if self._closes:
+                frames.extend(self.close(None))
         return frames
 
     def _text_chunk(self, delta: Content | Reasoning) -> list[Frame]:
@@ -203,15 +226,20 @@ class ChatCompletionAccumulator:
         return chat_completion_body(self._request, [self])
 
 
+def choices_usage(usages: list[Usage]) -> Usage:
+    """The usage of n choices of one prompt: the prompt once, the completion tokens of every choice."""
+    first = usages[0] if usages else Usage()
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=first.cached_tokens,
+        reasoning_tokens=sum(u.reasoning_tokens for u in usages),
+    )
+
+
 def chat_completion_body(request: Request, choices: list[ChatCompletionAccumulator]) -> dict[str, Any]:
     """Assemble the `chat.completion` body; usage sums completion tokens over the n choices."""
-    prompt = choices[0].usage.prompt_tokens if choices else 0
-    usage = Usage(
-        prompt_tokens=prompt,
-        completion_tokens=sum(c.usage.completion_tokens for c in choices),
-        cached_tokens=choices[0].usage.cached_tokens if choices else 0,
-        reasoning_tokens=sum(c.usage.reasoning_tokens for c in choices),
-    )
+    usage = choices_usage([c.usage for c in choices])
     body: dict[str, Any] = {
         "id": completion_id(request),
         "object": "chat.completion",
@@ -224,3 +252,9 @@ def chat_completion_body(request: Request, choices: list[ChatCompletionAccumulat
     if request.return_token_ids:
         body["prompt_token_ids"] = list(request.prompt_token_ids)
     return body
+
+
+def choices_encoder(request: Request, parts: list[Request]) -> FanInEncoder:
+    """The stream of n > 1 choices: choice i from part i, every chunk under the request's id."""
+    members = [ChatStreamEncoder(replace(part, id=request.id), index=i, closes=False) for i, part in enumerate(parts)]
+    return FanInEncoder(members, choices_usage)

@@ -17,8 +17,10 @@ candidate (they were all computed) and each prompt once.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from encoders.fan_in import FanInEncoder
 from encoders.frames import Frame, json_frame
 from encoders.openai_chat import DoneOnce, error_json, usage_json
 from shared.deltas import Content, Error, Finish, StreamDelta, TokenLogprob, Usage
@@ -62,10 +64,13 @@ def _append(out: dict[str, list[Any]], e: TokenLogprob, *, top: int, offset: int
 
 
 class CompletionStreamEncoder(DoneOnce):
-    """Deltas → SSE frames for one streaming completion (one prompt, one choice)."""
+    """Deltas → SSE frames for one streaming completion (one prompt, one choice: `index`; `closes=False`:
+    one choice of several, whose stream is closed by encoders.fan_in)."""
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, *, index: int = 0, closes: bool = True) -> None:
         self._request = request
+        self._index = index
+        self._closes = closes
         self._base = {"id": completion_id(request), "object": "text_completion", "created": int(request.created), "model": request.model, "system_fingerprint": None}
         self._echo_pending = _spec(request).echo
         self._offset = 0
@@ -73,7 +78,7 @@ class CompletionStreamEncoder(DoneOnce):
         self._done = False
 
     def _chunk(self, text: str, *, logprobs: dict[str, Any] | None = None, finish_reason: str | None = None, token_ids: tuple[int, ...] = ()) -> Frame:
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": self._index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if self._request.return_token_ids:
             if self._first:
                 choice["prompt_token_ids"] = list(self._request.prompt_token_ids)
@@ -83,6 +88,10 @@ class CompletionStreamEncoder(DoneOnce):
         if self._request.include_usage:
             payload["usage"] = None
         return json_frame(payload)
+
+    def opening(self) -> list[Frame]:
+        """Nothing goes before a choice's first text (the echo rides on it)."""
+        return []
 
     def _echo(self) -> str:
         if not self._echo_pending:
@@ -98,11 +107,9 @@ class CompletionStreamEncoder(DoneOnce):
             return self._content(delta)
         if isinstance(delta, Finish):
             frames = [self._chunk(self._echo(), finish_reason=delta.reason.openai, token_ids=delta.token_ids)]
-            if self._request.include_usage:
-                frames.append(json_frame({**self._base, "choices": [], "usage": usage_json(delta.usage)}))
-            return frames + self.finish()
+            return frames + self.close(delta.usage) if self._closes else frames
         if isinstance(delta, Error):
-            return [json_frame(error_json(delta)), *self.finish()]
+            return [json_frame(error_json(delta)), *(self.close(None) if self._closes else [])]
         return []  # no tools, reasoning or refusals on a raw completion: the worker writes none
 
     def _content(self, delta: Content) -> list[Frame]:
@@ -164,6 +171,18 @@ class CompletionAccumulator:
         return completion_body(self.request, [self])
 
 
+def prompts_usage(usages: list[tuple[int, Usage]]) -> Usage:
+    """The usage of several prompts' candidates: each prompt once, every candidate's completion."""
+    first: dict[int, Usage] = {}
+    for prompt_index, usage in usages:
+        first.setdefault(prompt_index, usage)
+    return Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in first.values()),
+        completion_tokens=sum(u.completion_tokens for _, u in usages),
+        cached_tokens=sum(u.cached_tokens for u in first.values()),
+    )
+
+
 def completion_body(request: Request, accs: list[CompletionAccumulator]) -> dict[str, Any]:
     """The `text_completion` body over every prompt's candidates (in prompt order, as fanned out)."""
     groups: dict[int, list[CompletionAccumulator]] = {}
@@ -176,11 +195,7 @@ def completion_body(request: Request, accs: list[CompletionAccumulator]) -> dict
         if len(candidates) > n:  # best_of: the n most likely
             candidates = sorted(candidates, key=lambda a: a.cumulative_logprob, reverse=True)[:n]
         choices.extend(acc.choice(prompt_index * n + i) for i, acc in enumerate(candidates))
-    usage = Usage(
-        prompt_tokens=sum(g[0].usage.prompt_tokens for g in groups.values()),
-        completion_tokens=sum(a.usage.completion_tokens for a in accs),
-        cached_tokens=sum(g[0].usage.cached_tokens for g in groups.values()),
-    )
+    usage = prompts_usage([(_spec(a.request).prompt_index, a.usage) for a in accs])
     return {
         "id": completion_id(request),
         "object": "text_completion",
@@ -190,3 +205,10 @@ def completion_body(request: Request, accs: list[CompletionAccumulator]) -> dict
         "choices": choices,
         "usage": usage_json(usage),
     }
+
+
+def choices_encoder(request: Request, parts: list[Request]) -> FanInEncoder:
+    """The stream of several prompts' choices (n each; `best_of` is not streamed): part i is choice
+    i (`prompt_index * n + j`, the fan-out's order), every chunk under the request's id."""
+    members = [CompletionStreamEncoder(replace(part, id=request.id), index=i, closes=False) for i, part in enumerate(parts)]
+    return FanInEncoder(members, lambda usages: prompts_usage([(_spec(p).prompt_index, u) for p, u in zip(parts, usages, strict=True)]))

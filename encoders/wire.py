@@ -5,7 +5,9 @@ Resumable streams: every frame an encoder produces gets an SSE `id:`, its positi
 (0, 1, 2…; pings have none). Encoders are pure functions of the request and its deltas, so a stream
 re-encoded from the first delta yields the same frames with the same ids: resuming after event N is
 re-encoding and skipping frames up to N (`skip`), on any API node. For Responses the id equals the
-event's `sequence_number`.
+event's `sequence_number`. A stream of several choices (encoders.fan_in) numbers each choice's frames
+on its own and gives every event the positions of all of them, dot-joined (`4.-1.7`): the choices'
+interleaving is not reproducible, but each choice's frames are.
 
 Everything protocol-specific is in the encoders; this module only moves their frames.
 """
@@ -24,6 +26,7 @@ from blacksheep.contents import TextServerSentEvent
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from encoders.fan_in import Tagged, is_last, tag_terminal
 from encoders.frames import Frame
 from shared import keys
 from shared.codec import decode_delta
@@ -85,14 +88,49 @@ async def tail(
                     return
 
 
-def to_sse(frame: Frame, position: int | None = None) -> TextServerSentEvent:
+async def fan_in(tails: list[AsyncIterator[StreamDelta | None]]) -> AsyncIterator[Tagged | None]:
+    """Several choices' delta streams as one, in arrival order, each delta tagged with its choice; the
+    last one yielded is marked (every choice ended, or one failed). Each tail is read by its own task
+    (one slot each on a cluster: the choices' keys hash apart); they stop when this generator closes."""
+    queue: asyncio.Queue[tuple[int, StreamDelta | Exception | None]] = asyncio.Queue()
+
+    async def pump(slot: int, deltas: AsyncIterator[StreamDelta | None]) -> None:
+        try:
+            async for delta in deltas:
+                await queue.put((slot, delta))
+        except Exception as exc:  # re-raised by the reader, as a single tail's would be
+            await queue.put((slot, exc))
+
+    tasks = [asyncio.create_task(pump(slot, deltas)) for slot, deltas in enumerate(tails)]
+    done: set[int] = set()
+    try:
+        while True:
+            slot, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                yield None
+                continue
+            tagged = tag_terminal(slot, item, done, len(tails))
+            yield tagged
+            if tagged.last:
+                return
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def to_sse(frame: Frame, position: int | str | None = None) -> TextServerSentEvent:
     return TextServerSentEvent(frame.data, event=frame.event, comment=frame.comment, id=None if position is None else str(position))
 
 
-class _Numbered:
+class Numbered:
     """Gives encoder frames their stream positions; those at or before `skip` are not sent."""
 
-    def __init__(self, skip: int) -> None:
+    terminal = staticmethod(is_terminal)  # the delta that ends the stream
+
+    def __init__(self, skip: int = -1) -> None:
         self.skip = skip
         self.position = -1
 
@@ -105,6 +143,41 @@ class _Numbered:
         return out
 
 
+class Slotted:
+    """Positions of a stream of several choices (encoders.fan_in): frames come tagged with their slot;
+    each slot counts its own, those at or before its `skip` entry are not sent, and an event's id is
+    every slot's position, dot-joined. A slot not yet re-encoded up to what the client holds reports
+    its `skip` entry, so an id never claims less than the client has (a second resume repeats nothing)."""
+
+    terminal = staticmethod(is_last)
+
+    def __init__(self, slots: int, skip: tuple[int, ...] | None = None) -> None:
+        self.skip = skip or (-1,) * slots
+        self.positions = [-1] * slots
+
+    def send(self, frames: list[tuple[int, Frame]]) -> list[TextServerSentEvent]:
+        out = []
+        for slot, frame in frames:
+            self.positions[slot] += 1
+            if self.positions[slot] > self.skip[slot]:
+                out.append(to_sse(frame, ".".join(str(max(p, s)) for p, s in zip(self.positions, self.skip, strict=True))))
+        return out
+
+
+class Numbering(Protocol):
+    """How a stream's frames become events (their ids, what a resume skips), and its last delta."""
+
+    def send(self, frames: Any) -> list[TextServerSentEvent]: ...
+    def terminal(self, delta: Any) -> bool: ...
+
+
+class Encoder(Protocol):
+    """A StreamEncoder, or encoders.fan_in's FanInEncoder (tagged deltas in, tagged frames out)."""
+
+    def feed(self, delta: Any) -> Any: ...
+    def finish(self) -> Any: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ClientLink:
     """How the wire learns the client is gone, and what to do then (flag the cancel)."""
@@ -115,20 +188,21 @@ class ClientLink:
 
 
 async def sse_events(
-    deltas: AsyncIterator[StreamDelta | None],
-    encoder: StreamEncoder,
+    deltas: AsyncIterator[Any],
+    encoder: Encoder,
     *,
     ping: Callable[[], list[Frame]],
     ping_interval: float,
     client: ClientLink,
-    skip: int = -1,
+    numbering: Numbering | None = None,
 ) -> AsyncIterator[TextServerSentEvent]:
-    """Encode deltas as SSE, pinging after `ping_interval` of silence; frames at positions up to `skip`
-    (a resumed stream's Last-Event-ID) are encoded but not sent. The ASGI server drops writes to a
+    """Encode deltas as SSE, pinging after `ping_interval` of silence; frames at positions up to the
+    numbering's skip (a resumed stream's Last-Event-ID) are encoded but not sent (default: `Numbered()`,
+    nothing skipped; a stream of several choices has `Slotted`). The ASGI server drops writes to a
     closed connection silently, so the client is polled; if it is gone before the terminal event, stop
     and call `on_abandon` (which flags the cancel the worker acts on, after the resume grace)."""
     completed = False
-    numbered = _Numbered(skip)
+    numbered = numbering or Numbered()
     last_sent = last_check = time.monotonic()
     try:
         async for delta in deltas:
@@ -144,10 +218,11 @@ async def sse_events(
                     yield to_sse(frame)
                 last_sent = now
                 continue
-            completed = is_terminal(delta)
-            for event in numbered.send(encoder.feed(delta)):
+            completed = numbered.terminal(delta)
+            events = numbered.send(encoder.feed(delta))
+            for event in events:
                 yield event
-            if numbered.position > skip:
+            if events:
                 last_sent = now
         else:
             for event in numbered.send(encoder.finish()):
@@ -155,6 +230,10 @@ async def sse_events(
     finally:
         if not completed:
             await asyncio.shield(client.on_abandon())
+        close = getattr(deltas, "aclose", None)
+        if close is not None:  # stop the tails now (a fan-in's reader tasks), not when collected
+            with contextlib.suppress(RuntimeError):  # already running: it is being closed by its own error
+                await close()
 
 
 async def collect(deltas: AsyncIterator[StreamDelta | None], *, client: ClientLink) -> list[StreamDelta]:

@@ -33,8 +33,9 @@ from encoders import anthropic_messages as messages_enc
 from encoders import openai_chat as chat_enc
 from encoders import openai_completions as completions_enc
 from encoders import openai_responses as response_enc
+from encoders.fan_in import FanInEncoder
 from encoders.frames import Frame
-from encoders.wire import ClientLink, StreamEncoder, collect, sse_events, tail
+from encoders.wire import ClientLink, Numbered, Slotted, StreamEncoder, collect, fan_in, sse_events, tail
 from ingest import anthropic_messages, openai_chat, openai_completions, openai_responses, responses_store, resume, tokenize
 from ingest.auth import ANONYMOUS, Authenticator
 from ingest.batch_dispatch import BatchDispatcher
@@ -158,19 +159,41 @@ class Api:
         abandon = _nothing if detached else resume.graceful_cancel(self.redis, request.id, self.settings.resume_grace_s)
         link = ClientLink(is_disconnected=http.is_disconnected, on_abandon=abandon)
         encoder: StreamEncoder = surface.stream_encoder(request)
-        ping = surface.ping(encoder)
+        events = sse_events(
+            deltas, encoder, ping=surface.ping(encoder), ping_interval=self.settings.ping_interval, client=link, numbering=Numbered(skip)
+        )
+        return self._sse(request.id, events)
 
+    def stream_choices(
+        self, http: HttpRequest, request_id: str, surface: Surface, parts: list[Request], *, skip: tuple[int, ...] | None = None
+    ) -> Response:
+        """SSE for a stream of several choices (chat n > 1, completions' prompts x n), each from its
+        part's delta stream (encoders.fan_in), resumable as one stream under `request_id`."""
+        assert surface.choices_encoder is not None  # the parsers let several choices through only where one exists
+        abandon = resume.graceful_cancel(self.redis, request_id, self.settings.resume_grace_s, [p.id for p in parts])
+        link = ClientLink(is_disconnected=http.is_disconnected, on_abandon=abandon)
+        encoder = surface.choices_encoder(replace(parts[0], id=request_id), parts)
+        deadline = parts[0].created + self.settings.request_timeout + 30
+        observed = skip is None  # a resumed stream was observed (metrics) on its first connection
+        deltas = fan_in([self.deltas(part, http) if observed else tail(self.redis, part.id, deadline=deadline) for part in parts])
+        numbering = Slotted(len(parts) + 1, skip)
+        events = sse_events(
+            deltas, encoder, ping=surface.ping(encoder), ping_interval=self.settings.ping_interval, client=link, numbering=numbering
+        )
+        return self._sse(request_id, events)
+
+    def _sse(self, request_id: str, stream: AsyncIterator[TextServerSentEvent]) -> Response:
         async def events() -> AsyncIterator[TextServerSentEvent]:
             self.open_streams += 1  # a draining node waits for these (cli.serve)
             try:
-                async for event in sse_events(deltas, encoder, ping=ping, ping_interval=self.settings.ping_interval, client=link, skip=skip):
+                async for event in stream:
                     yield event
             finally:
                 self.open_streams -= 1
 
         return ServerSentEventsResponse(
             events,
-            headers=[(b"Cache-Control", b"no-cache"), (b"X-Accel-Buffering", b"no"), (b"X-Request-Id", request.id.encode())],
+            headers=[(b"Cache-Control", b"no-cache"), (b"X-Accel-Buffering", b"no"), (b"X-Request-Id", request_id.encode())],
         )
 
     async def collect(self, http: HttpRequest, request: Request) -> list[StreamDelta]:
@@ -262,6 +285,15 @@ class Api:
         detached = background or surface.background(orjson.loads(request.raw_body) if request.raw_body else {})
         return self.stream(http, request, surface, deltas=deltas, skip=after, detached=detached)
 
+    async def resume_choices(
+        self, http: HttpRequest, surface: Surface, request_id: str, part_ids: list[str], last_event_id: str
+    ) -> Response:
+        """The rest of a stream of several choices: each choice re-encoded from its first delta."""
+        parts = [await resume.load(self.redis, part, surface.protocol) for part in part_ids]
+        skip = resume.event_positions(last_event_id, len(parts) + 1, "Last-Event-ID")
+        await resume.attach(self.redis, request_id)
+        return self.stream_choices(http, request_id, surface, parts, skip=skip)
+
     async def delete_response(self, http: HttpRequest) -> Response:
         response_id = _route_value(http, "response_id")
         await responses_store.delete(self.redis, response_id, ttl=self.settings.response_ttl)
@@ -271,7 +303,11 @@ class Api:
         """The one flow every protocol shares: parse → session (the protocol's own state) → prepare → publish → answer."""
         point = resume.resume_point(http)
         if point is not None:
-            return await self.resume(http, surface, *point)
+            request_id, last_event_id = point
+            part_ids = await resume.choices_of(self.redis, request_id)
+            if part_ids:
+                return await self.resume_choices(http, surface, request_id, part_ids, last_event_id)
+            return await self.resume(http, surface, request_id, resume.event_position(last_event_id, "Last-Event-ID"))
         body = await self.read_json(http)
         request, store = await surface.session(self.redis, self.settings, body, surface.parse(body, request_id=new_id(), created=time.time()))
         requests = [self.prepare(r, body) for r in surface.expand(body, request, self.renderer)]
@@ -283,6 +319,11 @@ class Api:
         if background and not request.stream:
             self._follow(self.deltas(request, http), request, store)
             return json_response(responses_store.body_of(request, []))
+        if request.stream and len(parts) > 1:
+            await resume.record_choices(
+                self.redis, request.id, [p.id for p in parts], ttl=self.settings.dump_ttl + int(self.settings.request_timeout)
+            )
+            return self.stream_choices(http, request.id, surface, parts)
         if request.stream:
             deltas = self.deltas(request, http) if store is None else _recording(self.deltas(request, http), partial(store, request))
             return self.stream(http, request, surface, deltas=deltas, detached=background)
@@ -349,6 +390,7 @@ class Surface:
     session: Callable[[Redis, Settings, Any, Request], Awaitable[tuple[Request, Saver | None]]] = _no_session
     background: Callable[[Any], bool] = lambda _body: False  # answered at once, generated detached from the client
     expand: Callable[[Any, Request, PromptRenderer], list[Request]] = lambda _body, request, _renderer: [request]  # e.g. one request per prompt
+    choices_encoder: Callable[[Request, list[Request]], FanInEncoder] | None = None  # a stream of several choices, where the protocol has them
 
 
 CHAT = Surface(
@@ -358,6 +400,7 @@ CHAT = Surface(
     stream_encoder=chat_enc.ChatStreamEncoder,
     accumulator=chat_enc.ChatCompletionAccumulator,
     combine=chat_enc.chat_completion_body,
+    choices_encoder=chat_enc.choices_encoder,
 )
 MESSAGES = Surface(
     protocol=Protocol.ANTHROPIC_MESSAGES,
@@ -383,6 +426,7 @@ COMPLETIONS = Surface(
     stream_encoder=completions_enc.CompletionStreamEncoder,
     accumulator=completions_enc.CompletionAccumulator,
     combine=completions_enc.completion_body,
+    choices_encoder=completions_enc.choices_encoder,
     expand=lambda body, request, renderer: openai_completions.per_prompt(body, request, renderer.decode),
 )
 SURFACES = (CHAT, MESSAGES, RESPONSES, COMPLETIONS)
@@ -400,7 +444,7 @@ def _route_value(http: HttpRequest, name: str) -> str:
 
 
 def fan_out(request: Request) -> list[Request]:
-    """`n` > 1 (non-streaming chat) becomes n independent requests, each its own durable stream; a
+    """`n` > 1 becomes n independent requests, each its own durable stream; a
     given seed becomes seed, seed+1, ... so the choices differ yet replay exactly."""
     n = request.sampling.n
     if n == 1:

@@ -42,7 +42,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         protocol=Protocol.OPENAI_CHAT,
         model=model,
         messages=messages,
-        sampling=sampling(body, stream=stream),
+        sampling=sampling(body),
         stream=stream,
         include_usage=include_usage,
         tools=tools,
@@ -83,7 +83,7 @@ def _not_object(body: Any) -> Any:
     raise invalid("The request body must be a JSON object.", None, "invalid_body")
 
 
-def sampling(body: dict[str, Any], *, stream: bool) -> SamplingParams:
+def sampling(body: dict[str, Any]) -> SamplingParams:
     """Sampling fields shared by the OpenAI surfaces (chat uses all of them)."""
     max_tokens = None
     for name in ("max_completion_tokens", "max_tokens"):
@@ -91,8 +91,6 @@ def sampling(body: dict[str, Any], *, stream: bool) -> SamplingParams:
             max_tokens = f.integer(body[name], name, lo=1, hi=f.MAX_TOKENS_CAP)
             break
     n = f.integer(body["n"], "n", lo=1, hi=MAX_N) if body.get("n") is not None else 1
-    if n > 1 and stream:
-        raise invalid("'n' greater than 1 is supported only for non-streaming requests.", "n", "unsupported_value")
     logprobs = f.boolean(body["logprobs"], "logprobs") if body.get("logprobs") is not None else False
     top_logprobs = f.integer(body["top_logprobs"], "top_logprobs", lo=0, hi=20) if body.get("top_logprobs") is not None else 0
     if top_logprobs and not logprobs:

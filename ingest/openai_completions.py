@@ -39,13 +39,11 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         f.string(body["suffix"], "suffix")
         raise invalid(f"The model {model} has no fill-in-the-middle format, so 'suffix' is not supported.", "suffix", "unsupported_parameter")
     stream = f.boolean(body["stream"], "stream") if body.get("stream") is not None else False
-    if stream and len(prompts) > 1:
-        raise invalid("Streaming supports one prompt per request; send a list of prompts without 'stream'.", "prompt", "unsupported_value")
     include_usage = _include_usage(body, stream)
     echo = f.boolean(body["echo"], "echo") if body.get("echo") is not None else False
     logprobs = f.integer(body["logprobs"], "logprobs", lo=0, hi=MAX_LOGPROBS) if body.get("logprobs") is not None else None
     general = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs", "max_completion_tokens", "max_tokens")}
-    params = sampling(general, stream=stream)
+    params = sampling(general)
     n = params.n
     best_of = _best_of(body, n=n, stream=stream)
     if len(prompts) * best_of > MAX_PARTS:

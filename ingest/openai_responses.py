@@ -68,7 +68,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
     if body.get("input") is not None or previous is None:
         messages.extend(_input(f.require(body, "input")))
     stream = f.boolean(body["stream"], "stream") if body.get("stream") is not None else False
-    params = sampling({k: body[k] for k in SHARED_SAMPLING if k in body}, stream=stream)
+    params = sampling({k: body[k] for k in SHARED_SAMPLING if k in body})
     if body.get("top_logprobs") is not None:
         top = f.integer(body["top_logprobs"], "top_logprobs", lo=0, hi=20)
         params = replace(params, logprobs=True, top_logprobs=top)

@@ -1,5 +1,8 @@
 """Resumable streams: a client reconnects to a stream it lost, on any API node, and gets the rest.
 
+A stream of several choices is resumed as a whole: its request id names the list of its parts
+(`keys.choices`), its event ids carry a position per choice (encoders.wire.Slotted).
+
 Owns: reading the resume point (`X-Request-Id` with `Last-Event-ID` on the generation routes; Responses'
 `GET /v1/responses/{id}?stream=true&starting_after=N` uses the same machinery), loading the recorded
 request IR, counting attachments, and the resume grace: a stream whose client vanished is cancelled
@@ -12,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
+import orjson
 from blacksheep import Request as HttpRequest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -28,7 +32,7 @@ ATTACH_TTL = 3600
 _pending: set[asyncio.Task[None]] = set()  # grace timers in flight (a reference keeps each alive)
 
 
-def resume_point(http: HttpRequest) -> tuple[str, int] | None:
+def resume_point(http: HttpRequest) -> tuple[str, str] | None:
     """(request id, last event id seen) when the client asks to resume, else None."""
     last = http.get_first_header(b"Last-Event-ID")
     if last is None:
@@ -36,7 +40,7 @@ def resume_point(http: HttpRequest) -> tuple[str, int] | None:
     rid = http.get_first_header(b"X-Request-Id")
     if rid is None:
         raise invalid("Resuming a stream needs the 'X-Request-Id' header of the original response with 'Last-Event-ID'.", "X-Request-Id", "missing_request_id")
-    return rid.decode(errors="replace"), event_position(last.decode(errors="replace"), "Last-Event-ID")
+    return rid.decode(errors="replace"), last.decode(errors="replace")
 
 
 def event_position(value: str, param: str) -> int:
@@ -47,6 +51,29 @@ def event_position(value: str, param: str) -> int:
     if position < -1:
         raise invalid(f"'{param}' must be the integer id of an event of the stream, got {value!r}.", param, "invalid_value")
     return position
+
+
+def event_positions(value: str, slots: int, param: str) -> tuple[int, ...]:
+    """A stream of several choices' event id: one position per slot (encoders.wire.Slotted)."""
+    try:
+        positions = tuple(event_position(v, param) for v in value.split("."))
+    except ApiError:
+        positions = ()
+    if len(positions) != slots:
+        raise invalid(
+            f"'{param}' must be the id of an event of this stream ({slots} positions joined by '.'), got {value!r}.", param, "invalid_value"
+        )
+    return positions
+
+
+async def record_choices(redis: Redis, request_id: str, parts: Sequence[str], *, ttl: int) -> None:
+    await redis.set(keys.choices(request_id), orjson.dumps(list(parts)), ex=ttl)
+
+
+async def choices_of(redis: Redis, request_id: str) -> list[str] | None:
+    """The parts of a stream of several choices, or None for a stream of one."""
+    raw = await redis.get(keys.choices(request_id))
+    return None if raw is None else [str(part) for part in orjson.loads(raw)]
 
 
 async def load(redis: Redis, request_id: str, protocol: Protocol) -> Request:
@@ -67,8 +94,14 @@ async def attach(redis: Redis, request_id: str) -> None:
         await pipe.execute()
 
 
-def graceful_cancel(redis: Redis, request_id: str, grace_s: float) -> Callable[[], Awaitable[None]]:
-    """The `on_abandon` of a resumable stream: cancel after `grace_s` unless a client re-attached."""
+def graceful_cancel(redis: Redis, request_id: str, grace_s: float, parts: Sequence[str] = ()) -> Callable[[], Awaitable[None]]:
+    """The `on_abandon` of a resumable stream: cancel it (every one of its `parts`, for a stream of
+    several choices) after `grace_s` unless a client re-attached."""
+    targets = tuple(parts) or (request_id,)
+
+    async def cancel_all() -> None:
+        for target in targets:
+            await cancel(redis, target)
 
     async def abandon() -> None:
         try:
@@ -76,14 +109,14 @@ def graceful_cancel(redis: Redis, request_id: str, grace_s: float) -> Callable[[
         except RedisError:
             return  # Redis is away: the generation goes on (a resume, or the worker's deadline, ends it)
         if grace_s <= 0:
-            await cancel(redis, request_id)
+            await cancel_all()
             return
 
         async def later() -> None:
             await asyncio.sleep(grace_s)
             with contextlib.suppress(RedisError):
                 if await redis.get(keys.attachments(request_id)) == before:
-                    await cancel(redis, request_id)
+                    await cancel_all()
 
         task = asyncio.create_task(later())
         _pending.add(task)

@@ -97,6 +97,13 @@ def attachments(request_id: str) -> str:
     return f"{_tag(request_id)}:attach"
 
 
+def choices(request_id: str) -> str:
+    """The ids of the parts behind a stream of several choices (chat n > 1, completions with n > 1 or
+    several prompts), in choice order, JSON. Writer: the API node that takes the request; reader: an
+    API node a client resumes that stream on (ingest.resume). Expires with the parts' dumps."""
+    return f"{_tag(request_id)}:choices"
+
+
 def cancel_flag(request_id: str) -> str:
     """Present once the request is cancelled; its value says by whom (CLIENT_CANCEL, OPERATOR_CANCEL).
     Writers: ingest.app on a client disconnect, `met top` (cli/top_snapshot.py). Reader: workers.loop."""

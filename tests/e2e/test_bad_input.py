@@ -63,7 +63,7 @@ def test_bad_input_is_a_400_naming_the_parameter_and_nothing_is_queued(live_serv
 
 def test_the_sdk_sees_a_bad_request_error_with_the_param(live_server: LiveServer) -> None:
     with openai.OpenAI(base_url=f"{live_server.base_url}/v1", api_key="x", max_retries=0) as api, pytest.raises(openai.BadRequestError) as caught:
-        api.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=2, stream=True)
+        api.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], n=17)
     assert caught.value.param == "n"
 
 

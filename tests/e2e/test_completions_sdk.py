@@ -53,6 +53,21 @@ def test_a_token_id_prompt_equals_its_text_and_echo_prepends_the_prompt(live_ser
     assert by_ids.choices[0].text == PROMPT + by_text.choices[0].text
 
 
+def test_a_stream_of_several_prompts_with_n_choices_each_equals_the_non_streaming_choices(api: openai.OpenAI) -> None:
+    """Several prompts x n streamed in one response: choice `prompt_index * n + i` carries its text (with
+    its own prompt echoed) as the non-streaming request gives it; one usage chunk counts every prompt once."""
+    common = {"model": MODEL, "prompt": [PROMPT, "1, 2, 3, 4,"], "n": 2, "temperature": 0.8, "seed": 5, "max_tokens": 6, "echo": True}
+    whole = api.completions.create(**common)  # type: ignore[call-overload]
+    chunks = list(api.completions.create(**common, stream=True, stream_options={"include_usage": True}))  # type: ignore[call-overload]
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {c.index: c.text for c in whole.choices} and sorted(texts) == [0, 1, 2, 3]
+    assert texts[2].startswith("1, 2, 3, 4,") and texts[0].startswith(PROMPT)
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
 def test_stream_with_echo_and_usage_concatenates_to_the_non_streaming_text(api: openai.OpenAI) -> None:
     whole = api.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=8, echo=True)
     chunks = list(api.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=8, echo=True, stream=True, stream_options={"include_usage": True}))
@@ -134,8 +149,6 @@ def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(ap
         ({"prompt": [1, "two"]}, "prompt"),
         ({"prompt": [10**9]}, "prompt"),
         ({"prompt": PROMPT, "logprobs": 6}, "logprobs"),
-        ({"prompt": [PROMPT, PROMPT], "stream": True}, "prompt"),
-        ({"prompt": PROMPT, "n": 2, "stream": True}, "n"),
         ({"prompt": "word " * 9000}, "prompt"),
         ({}, "prompt"),
     ],

@@ -54,6 +54,24 @@ def test_stream_concatenates_to_the_non_streaming_text_for_the_same_seed(live_se
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_a_stream_of_n_choices_carries_each_choice_as_the_non_streaming_request_does(live_server: LiveServer, api: openai.OpenAI) -> None:
+    """n > 1 streamed: every choice under its index in one stream, the SDK's accumulator rebuilds them,
+    and each equals the same choice of the same request without streaming (choice i samples with seed+i)."""
+    common = {"model": "m", "messages": [{"role": "user", "content": "Tell me a short story about a cat."}], "temperature": 0.9, "seed": 77, "max_tokens": 24, "n": 3}
+    whole = api.chat.completions.create(**common)  # type: ignore[call-overload]
+    with api.chat.completions.stream(**common, stream_options={"include_usage": True}) as stream:  # type: ignore[call-overload]
+        chunks = [event.chunk for event in stream if event.type == "chunk"]
+        snapshot = stream.current_completion_snapshot
+    assert [c.choices[0].index for c in chunks[:3]] == [0, 1, 2]  # every choice's role chunk first
+    assert len({c.id for c in chunks}) == 1 and chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert [(c.index, c.message.content, c.finish_reason) for c in snapshot.choices] == [
+        (c.index, c.message.content, c.finish_reason) for c in whole.choices
+    ]
+    assert len({c.message.content for c in whole.choices}) > 1  # the choices are sampled apart
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens  # type: ignore[union-attr]
+
+
 def test_a_different_seed_changes_the_sampled_text(live_server: LiveServer, api: openai.OpenAI) -> None:
     prompt = [{"role": "user", "content": "Tell me a short story about a cat."}]
     texts = {

@@ -145,6 +145,47 @@ def test_a_stream_survives_its_api_node_being_killed_by_reconnecting_to_another_
     assert first + "".join(text_of(route, data) for _id, data in events) == reference
 
 
+def test_a_stream_of_several_choices_resumes_on_another_node_each_choice_from_where_it_was(env: dict[str, str], steady: Node) -> None:
+    """Chat n=3: the API node dies mid-stream; the client resumes on the other with the last event id
+    (a position per choice): each choice's text, both halves joined, equals an uninterrupted run."""
+    body = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 40, "n": 3, "temperature": 0.8, "seed": 3, "stream": True}
+
+    def texts(events: list[tuple[str | None, Any]], into: dict[int, str]) -> dict[int, str]:
+        for _id, data in events:
+            for choice in data.get("choices", []) if isinstance(data, dict) else []:
+                into[choice["index"]] = into.get(choice["index"], "") + (choice["delta"].get("content") or "")
+        return into
+
+    with httpx.stream("POST", steady.base + "/v1/chat/completions", json=body, timeout=120) as whole:
+        reference = texts(list(sse(whole.iter_lines())), {})
+    assert sorted(reference) == [0, 1, 2] and all(len(t) > 10 for t in reference.values())
+
+    doomed = Node(env, Path(env["_LOGS"]) / "doomed-choices.log")
+    seen: list[tuple[str | None, Any]] = []
+    try:
+        with httpx.stream("POST", doomed.base + "/v1/chat/completions", json=body, timeout=120) as cut:
+            rid = cut.headers["x-request-id"]
+            for event in sse(cut.iter_lines()):
+                seen.append(event)
+                if len(seen) >= 12:
+                    doomed.proc.send_signal(signal.SIGKILL)
+                    break
+    except httpx.HTTPError:
+        pass
+    doomed.proc.wait(10)
+    last_id = seen[-1][0]
+    assert last_id is not None and len(last_id.split(".")) == 4  # three choices and the close
+    first = texts(seen, {})
+    assert first != reference
+
+    headers = {"X-Request-Id": rid, "Last-Event-ID": last_id}
+    with httpx.stream("POST", steady.base + "/v1/chat/completions", json=body, headers=headers, timeout=120) as rest:
+        assert rest.status_code == 200
+        events = list(sse(rest.iter_lines()))
+    assert events[-1][1] == "[DONE]"
+    assert texts(events, first) == reference
+
+
 def test_a_resume_of_an_unknown_stream_is_a_404_in_the_protocol_shape(steady: Node) -> None:
     path, body = body_for("messages")
     reply = httpx.post(steady.base + path, json=body, headers={"X-Request-Id": "nope", "Last-Event-ID": "3"}, timeout=30)

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from cli.embedded_redis import EmbeddedRedis
 from encoders.anthropic_messages import MessagesStreamEncoder
 from encoders.openai_chat import ChatStreamEncoder
-from encoders.wire import LOST_REDIS, ClientLink, sse_events, tail
+from encoders.wire import LOST_REDIS, ClientLink, Numbered, sse_events, tail
 from shared import keys
 from shared.codec import encode_delta
 from shared.ir import Protocol
@@ -116,7 +116,12 @@ def test_every_encoder_frame_has_its_position_as_id_and_a_resumed_stream_sends_e
         link = ClientLink(is_disconnected=here, on_abandon=abandon)
         deltas = tail(redis, req.id, deadline=time.time() + 30, block_ms=100)
         encoder = MessagesStreamEncoder(req)
-        out = [e async for e in sse_events(deltas, encoder, ping=lambda: [encoder.ping()], ping_interval=10, client=link, skip=skip)]
+        out = [
+            e
+            async for e in sse_events(
+                deltas, encoder, ping=lambda: [encoder.ping()], ping_interval=10, client=link, numbering=Numbered(skip)
+            )
+        ]
         await redis.aclose()
         return [(e.id or "").encode() + b"|" + e.data.encode() for e in out]
 

@@ -77,7 +77,6 @@ def test_max_tokens_is_accepted_as_the_legacy_name_and_stop_as_a_list() -> None:
         ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0].type"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ({"n": 17}, "n"),
-        ({"n": 2, "stream": True}, "n"),
         ({"max_tokens": -1}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 10**12}, "max_tokens"),
