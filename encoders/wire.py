@@ -22,7 +22,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from blacksheep.contents import TextServerSentEvent
+from blacksheep import Response
+from blacksheep.contents import ServerSentEvent, StreamedContent, TextServerSentEvent
+from blacksheep.scribe import write_sse
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -119,6 +121,27 @@ async def fan_in(tails: list[AsyncIterator[StreamDelta | None]]) -> AsyncIterato
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def write_event(event: ServerSentEvent) -> bytes:
+    """An event's bytes (blacksheep's writer), except a keep-alive: an event that is only a comment
+    goes out as its comment line with no blank line after it, so it dispatches no event. The `openai`
+    SDKs' decoder yields an event at every blank line once any `id:` was seen (the last event id
+    persists, per the SSE spec) and fails to parse its empty data; a dangling comment line is skipped by
+    every parser and still keeps proxies and clients from timing the stream out."""
+    if event.comment and not (event.data or event.event or event.id):
+        return b"".join(b": " + line.encode() + b"\n" for line in event.comment.splitlines())
+    return bytes(write_sse(event))
+
+
+def sse_response(events: AsyncIterator[ServerSentEvent], headers: list[tuple[bytes, bytes]]) -> Response:
+    """A `text/event-stream` response of these events (written by `write_event`)."""
+
+    async def body() -> AsyncIterator[bytes]:
+        async for event in events:
+            yield write_event(event)
+
+    return Response(200, headers, StreamedContent(b"text/event-stream", body))
 
 
 def to_sse(frame: Frame, position: int | str | None = None) -> TextServerSentEvent:

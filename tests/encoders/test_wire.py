@@ -6,13 +6,16 @@ import asyncio
 import time
 from pathlib import Path
 
+import httpx
+import openai
 import orjson
+from openai.types.chat import ChatCompletionChunk
 from redis.asyncio import Redis
 
 from cli.embedded_redis import EmbeddedRedis
 from encoders.anthropic_messages import MessagesStreamEncoder
 from encoders.openai_chat import ChatStreamEncoder
-from encoders.wire import LOST_REDIS, ClientLink, Numbered, sse_events, tail
+from encoders.wire import LOST_REDIS, ClientLink, Numbered, sse_events, sse_response, tail
 from shared import keys
 from shared.codec import encode_delta
 from shared.ir import Protocol
@@ -56,6 +59,39 @@ def test_anthropic_pings_during_silence_and_ends_after_the_terminal_event(redis_
     assert len(pings) >= 2
     assert all(names[i] == "ping" for i in range(pings[0], pings[-1] + 1))
     assert all(data == '{"type":"ping"}' for name, data in events if name == "ping")
+
+
+def test_keep_alives_between_numbered_chat_events_pass_the_openai_sdk_decoder(redis_server: str) -> None:
+    """A ping in a chat stream after its first `id:` must not reach the SDK as an event: its decoder
+    keeps the last id and yields an empty event at every blank line, which it then fails to parse."""
+
+    async def scenario() -> bytes:
+        redis = Redis.from_url(redis_server)
+        req = request(Protocol.OPENAI_CHAT, id=f"ka-{time.monotonic_ns()}", stream=True)
+
+        async def gone() -> bool:
+            return False
+
+        async def abandon() -> None:
+            return None
+
+        writer = asyncio.create_task(write_slowly(redis, req.id, pause=1.0))
+        deltas = tail(redis, req.id, deadline=time.time() + 30, block_ms=100)
+        link = ClientLink(is_disconnected=gone, on_abandon=abandon)
+        events = sse_events(deltas, ChatStreamEncoder(req), ping=lambda: [], ping_interval=0.3, client=link)
+        response = sse_response(events, headers=[])
+        assert response.content is not None
+        body = b"".join([chunk async for chunk in response.content.get_parts()])
+        await writer
+        await redis.aclose()
+        return body
+
+    body = asyncio.run(scenario())
+    assert body.count(b": ping\n") >= 2 and b"id: 1\n" in body  # pings went out after the first numbered events
+    with openai.OpenAI(api_key="x", base_url="http://unused") as client:
+        stream = openai.Stream(cast_to=ChatCompletionChunk, response=httpx.Response(200, content=body), client=client)
+        chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello, world"
 
 
 def test_a_client_that_disconnects_is_abandoned_and_its_stream_stops(redis_server: str) -> None:
