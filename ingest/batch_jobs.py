@@ -30,7 +30,6 @@ from shared.settings import Settings
 
 OPENAI, ANTHROPIC = "openai", "anthropic"
 OPENAI_ENDPOINTS = ("/v1/chat/completions", "/v1/responses", "/v1/completions")
-SERVED_ENDPOINTS = ("/v1/chat/completions", "/v1/responses")  # /v1/completions: no legacy route yet
 OUTCOMES = ("succeeded", "errored", "canceled", "expired")
 ENDED = ("completed", "failed", "expired", "cancelled")  # OpenAI statuses after which nothing runs
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # Anthropic's rule for custom_id

@@ -26,7 +26,12 @@ from shared.deltas import Finish, FinishReason, StreamDelta
 from shared.errors import ApiError, invalid
 from shared.ir import Protocol, Request
 
-_ENDPOINT_PROTOCOL = {"/v1/chat/completions": Protocol.OPENAI_CHAT, "/v1/responses": Protocol.OPENAI_RESPONSES, "/v1/messages": Protocol.ANTHROPIC_MESSAGES}
+_ENDPOINT_PROTOCOL = {
+    "/v1/chat/completions": Protocol.OPENAI_CHAT,
+    "/v1/responses": Protocol.OPENAI_RESPONSES,
+    "/v1/completions": Protocol.OPENAI_COMPLETIONS,
+    "/v1/messages": Protocol.ANTHROPIC_MESSAGES,
+}
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -74,8 +79,12 @@ class BatchLines:
         body = {k: v for k, v in line["body"].items() if k not in ("stream", "stream_options")}
         parsed: Request = surface.parse(body, request_id=request_id, created=time.time())
         if parsed.sampling.n > 1:
-            raise invalid("n > 1 is not supported in batch requests; send one line per choice.", "n")
-        parsed = replace(parsed, stream=False, priority=self.api.settings.batch_priority)
+            param = "best_of" if (parsed.completion and parsed.completion.n < parsed.sampling.n) else "n"
+            raise invalid(f"{param} > 1 is not supported in batch requests; send one line per choice.", param)
+        expanded = surface.expand(body, parsed, self.api.renderer)  # legacy completions: one request per prompt
+        if len(expanded) > 1:
+            raise invalid("Several prompts are not supported in batch requests; send one line per prompt.", "prompt")
+        parsed = replace(expanded[0], stream=False, priority=self.api.settings.batch_priority)
         prepared: Request = self.api.prepare(parsed, body)
         return prepared
 
@@ -150,8 +159,6 @@ class BatchRoutes:
         endpoint = body.get("endpoint")
         if endpoint not in batch_jobs.OPENAI_ENDPOINTS:
             raise invalid(f"Invalid value for 'endpoint': {endpoint!r}. Supported: {', '.join(batch_jobs.OPENAI_ENDPOINTS)}.", "endpoint")
-        if endpoint not in batch_jobs.SERVED_ENDPOINTS:
-            raise invalid(f"Batches for {endpoint} need the legacy completions route, which this server does not serve yet.", "endpoint")
         if body.get("completion_window") != "24h":
             raise invalid(f"Invalid value for 'completion_window': {body.get('completion_window')!r}. Supported: '24h'.", "completion_window")
         metadata = body.get("metadata")

@@ -78,9 +78,9 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float = 240.0) -> A
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def submit(oai: openai.OpenAI, rows: list[Any]) -> Any:
+def submit(oai: openai.OpenAI, rows: list[Any], endpoint: str = "/v1/chat/completions") -> Any:
     uploaded = oai.files.create(file=("input.jsonl", jsonl(rows)), purpose="batch")
-    return oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"run": "test"})
+    return oai.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h", metadata={"run": "test"})  # type: ignore[arg-type]  # a str, not the SDK's Literal
 
 
 def finished(oai: openai.OpenAI, batch_id: str) -> Any:
@@ -109,6 +109,23 @@ def test_a_200_line_openai_batch_completes_with_one_result_per_line_equal_to_the
         assert batched["message"]["content"] == alone.choices[0].message.content, i
         assert batched["finish_reason"] == alone.choices[0].finish_reason
     assert oai.batches.list(limit=1).data[0].id == batch.id
+
+
+def test_a_legacy_completions_batch_gives_each_line_the_body_the_route_gives_it_alone(oai: openai.OpenAI) -> None:
+    url = "/v1/completions"
+    bodies = [{"model": "m", "prompt": f"{i}, {i + 1}, {i + 2},", "max_tokens": 6, "temperature": 0, "echo": i % 2 == 0, "logprobs": 1} for i in range(6)]
+    bad = [line("two-prompts", {"model": "m", "prompt": ["a", "b"]}, url), line("n2", {"model": "m", "prompt": "a", "n": 2}, url)]
+    refused = submit(oai, [line(f"p{i}", b, url) for i, b in enumerate(bodies)] + bad, endpoint=url)
+    assert refused.status == "failed" and [(e.line, e.param) for e in refused.errors.data] == [(7, "body.prompt"), (8, "body.n")]  # type: ignore[union-attr]
+    done = finished(oai, submit(oai, [line(f"p{i}", b, url) for i, b in enumerate(bodies)], endpoint=url).id)
+    assert done.status == "completed" and done.request_counts.completed == len(bodies)
+    by_id = {r["custom_id"]: r["response"]["body"] for r in file_lines(oai, done.output_file_id)}
+    for i, body in enumerate(bodies):
+        alone = oai.completions.create(**body)
+        got = by_id[f"p{i}"]
+        assert got["object"] == "text_completion" and got["choices"][0]["text"] == alone.choices[0].text, i
+        assert got["choices"][0]["logprobs"]["tokens"] == alone.choices[0].logprobs.tokens  # type: ignore[union-attr]
+        assert alone.usage is not None and (got["usage"]["prompt_tokens"], got["usage"]["completion_tokens"]) == (alone.usage.prompt_tokens, alone.usage.completion_tokens)
 
 
 def test_a_50_request_anthropic_message_batch_ends_with_results_equal_to_the_requests_sent_alone(claude: anthropic.Anthropic) -> None:
@@ -180,7 +197,6 @@ def test_bad_batch_parameters_get_openai_errors_naming_them(oai: openai.OpenAI, 
     uploaded = oai.files.create(file=("in.jsonl", jsonl([line("a", chat_body(1))])), purpose="batch")
     cases: list[tuple[dict[str, Any], str]] = [
         ({"input_file_id": uploaded.id, "endpoint": "/v1/embeddings", "completion_window": "24h"}, "endpoint"),
-        ({"input_file_id": uploaded.id, "endpoint": "/v1/completions", "completion_window": "24h"}, "endpoint"),
         ({"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions", "completion_window": "1h"}, "completion_window"),
         ({"input_file_id": "file-missing", "endpoint": "/v1/chat/completions", "completion_window": "24h"}, "input_file_id"),
     ]
