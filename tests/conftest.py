@@ -28,6 +28,29 @@ ROOT = Path(__file__).resolve().parent.parent
 LIVE_MAX_QUEUE = 32  # the session server's admission limit (tests/e2e/test_scheduling.py overflows it)
 
 
+REDIS_FIXTURES = frozenset({"redis_server", "live_server", "agents_server"})  # each starts a redis-server (met serve embeds one)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that needs a Redis server carries the `redis` marker (`-m "not redis"` runs the rest):
+    the e2e tier (live servers) and every test using a fixture that starts one get it here; a test that
+    starts its own redis-server marks itself."""
+    for item in items:
+        if item.get_closest_marker("e2e") or REDIS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.redis)
+
+
+@pytest.fixture(autouse=True)
+def _redis_only_when_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keeps the marker true: a test without it that starts a redis-server in-process fails, naming it."""
+    if request.node.get_closest_marker("redis") is None:
+
+        def refuse(*_args: Any, **_kwargs: Any) -> str:
+            raise AssertionError(f"{request.node.nodeid} starts a redis-server: mark it `@pytest.mark.redis`")
+
+        monkeypatch.setattr(EmbeddedRedis, "start", refuse)
+
+
 @dataclass
 class LiveServer:
     base_url: str

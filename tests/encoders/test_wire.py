@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 import orjson
+import pytest
 from openai.types.chat import ChatCompletionChunk
 from redis.asyncio import Redis
 
@@ -168,6 +169,7 @@ def test_every_encoder_frame_has_its_position_as_id_and_a_resumed_stream_sends_e
         assert asyncio.run(scenario(after)) == whole[after + 1 :]
 
 
+@pytest.mark.redis
 def test_a_redis_restart_mid_tail_is_ridden_out_and_a_long_outage_ends_the_stream_with_one_error_and_no_cancel(tmp_path: Path) -> None:
     server = EmbeddedRedis(str(tmp_path))
     url = server.start()
