@@ -8,6 +8,7 @@ ARG TORCH_INDEX=""
 RUN pip install --no-cache-dir ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} torch==2.13.0
 COPY pyproject.toml README.md ./
 COPY shared shared
+COPY bus bus
 COPY ingest ingest
 COPY workers workers
 COPY encoders encoders
