@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -182,3 +184,95 @@ def wait_serving(api: Role, *, workers: int, others: tuple[Role, ...] = (), time
         time.sleep(0.25)
     logs = "\n".join(f"--- {r.name}\n{r.log()[-3000:]}" for r in (api, *others))
     pytest.fail(f"not serving with {workers} worker(s) in {timeout}s:\n{logs}")
+
+
+def nginx_binary() -> str:
+    """The nginx the test command installs (./dev: Debian's package); a clear failure without it."""
+    found = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.path.exists(p)), None)
+    if found is None:
+        pytest.fail("nginx is not installed: `./dev test` installs it (apt-get install nginx); or install it yourself")
+    return found
+
+
+def render_proxy_conf(upstreams: list[int], listen: int) -> str:
+    """deploy/nginx.conf as compose runs it, pointed at local API processes: Docker's resolver and the
+    re-resolved `api:8000` service name become one `server 127.0.0.1:<port>` line per API node, and it
+    listens on `listen`. Every proxy setting (buffering, timeouts, keep-alive) is the shipped file's."""
+    text = (ROOT / "deploy" / "nginx.conf").read_text()
+    for needle in ("resolver 127.0.0.11", "server api:8000 resolve;", "listen 8000;"):
+        assert needle in text, f"deploy/nginx.conf no longer has {needle!r}: update tests/topology.py"
+    text = "\n".join(line for line in text.splitlines() if not line.startswith("resolver "))
+    servers = "\n    ".join(f"server 127.0.0.1:{port};" for port in upstreams)
+    return text.replace("server api:8000 resolve;", servers).replace("listen 8000;", f"listen 127.0.0.1:{listen};")
+
+
+@dataclass
+class Nginx:
+    proc: subprocess.Popen[bytes]
+    port: int
+    directory: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def error_log(self) -> str:
+        path = self.directory / "error.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_nginx(directory: Path, upstreams: list[int]) -> Nginx:
+    """nginx in the foreground with deploy/nginx.conf (render_proxy_conf) as its only server."""
+    directory.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    (directory / "proxy.conf").write_text(render_proxy_conf(upstreams, port))
+    d = directory
+    main = f"""daemon off;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+{"user root;" if os.geteuid() == 0 else ""}
+events {{ worker_connections 512; }}
+http {{
+    access_log {d}/access.log;
+    client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;
+    include {d}/proxy.conf;
+}}
+"""
+    (directory / "nginx.conf").write_text(main)
+    proc = subprocess.Popen([nginx_binary(), "-p", str(d), "-c", str(d / "nginx.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    nginx = Nginx(proc, port, directory)
+    end = time.monotonic() + 20
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return nginx
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > end:
+                nginx.stop()
+                pytest.fail(f"nginx did not start:\n{nginx.error_log()}")
+            time.sleep(0.05)
+
+
+def responses_stream_text(api: Any, prompt: str, max_output_tokens: int) -> tuple[str, str]:
+    """Stream a Responses request with the SDK; (text, terminal event type). The SDK's stream helper
+    only returns a `response.completed` response, and a max_output_tokens cut ends `response.incomplete`."""
+    text, terminal = "", ""
+    for event in api.responses.create(model="m", input=prompt, max_output_tokens=max_output_tokens, stream=True):
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        elif event.type in ("response.completed", "response.incomplete", "response.failed"):
+            assert not terminal, "two terminal events"
+            terminal = event.type
+            assert event.response.output_text == text
+    return text, terminal

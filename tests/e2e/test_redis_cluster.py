@@ -16,7 +16,7 @@ from redis.cluster import RedisCluster
 
 from shared import keys
 
-from ..topology import RedisProcs, Role, spawn_role, start_cluster, wait_serving
+from ..topology import RedisProcs, Role, responses_stream_text, spawn_role, start_cluster, wait_serving
 
 pytestmark = pytest.mark.e2e
 
@@ -70,11 +70,10 @@ def chat_text(base_url: str) -> tuple[str, str | None]:
 
 
 def responses_text(base_url: str) -> str:
-    api = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=180)
-    with api, api.responses.stream(model="m", input=PROMPT, max_output_tokens=MAX_TOKENS) as stream:
-        final = stream.get_final_response()
-    assert final.status in ("completed", "incomplete")
-    return final.output_text
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=180) as api:
+        text, terminal = responses_stream_text(api, PROMPT, MAX_TOKENS)
+    assert terminal in ("response.completed", "response.incomplete")
+    return text
 
 
 def messages_text(base_url: str) -> str:
