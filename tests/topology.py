@@ -195,15 +195,17 @@ def nginx_binary() -> str:
 
 
 def render_proxy_conf(upstreams: list[int], listen: int) -> str:
-    """deploy/nginx.conf as compose runs it, pointed at local API processes: Docker's resolver and the
-    re-resolved `api:8000` service name become one `server 127.0.0.1:<port>` line per API node, and it
-    listens on `listen`. Every proxy setting (buffering, timeouts, keep-alive) is the shipped file's."""
+    """deploy/nginx.conf as compose runs it, pointed at local API processes: Docker's resolver becomes an
+    upstream group with one `server 127.0.0.1:<port>` per API node, which the `$metrale_api` variable
+    names instead of the `api` service, and it listens on `listen`. Every proxy setting (buffering,
+    timeouts, next-upstream on a refused connection) is the shipped file's."""
     text = (ROOT / "deploy" / "nginx.conf").read_text()
-    for needle in ("resolver 127.0.0.11", "server api:8000 resolve;", "listen 8000;"):
+    for needle in ("resolver 127.0.0.11", "set $metrale_api api:8000;", "listen 8000;"):
         assert needle in text, f"deploy/nginx.conf no longer has {needle!r}: update tests/topology.py"
-    text = "\n".join(line for line in text.splitlines() if not line.startswith("resolver "))
-    servers = "\n    ".join(f"server 127.0.0.1:{port};" for port in upstreams)
-    return text.replace("server api:8000 resolve;", servers).replace("listen 8000;", f"listen 127.0.0.1:{listen};")
+    servers = " ".join(f"server 127.0.0.1:{port};" for port in upstreams)
+    lines = [f"upstream metrale_local {{ {servers} }}" if line.startswith("resolver ") else line for line in text.splitlines()]
+    text = "\n".join(lines)
+    return text.replace("set $metrale_api api:8000;", "set $metrale_api metrale_local;").replace("listen 8000;", f"listen 127.0.0.1:{listen};")
 
 
 @dataclass
@@ -264,11 +266,11 @@ http {{
             time.sleep(0.05)
 
 
-def responses_stream_text(api: Any, prompt: str, max_output_tokens: int) -> tuple[str, str]:
+def responses_stream_text(api: Any, prompt: str, max_output_tokens: int, **params: Any) -> tuple[str, str]:
     """Stream a Responses request with the SDK; (text, terminal event type). The SDK's stream helper
     only returns a `response.completed` response, and a max_output_tokens cut ends `response.incomplete`."""
     text, terminal = "", ""
-    for event in api.responses.create(model="m", input=prompt, max_output_tokens=max_output_tokens, stream=True):
+    for event in api.responses.create(model="m", input=prompt, max_output_tokens=max_output_tokens, stream=True, **params):
         if event.type == "response.output_text.delta":
             text += event.delta
         elif event.type in ("response.completed", "response.incomplete", "response.failed"):
