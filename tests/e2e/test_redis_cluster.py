@@ -4,6 +4,9 @@ the masters while the global streams sit in their own slots (bus/connect.py)."""
 
 from __future__ import annotations
 
+import io
+import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,3 +114,23 @@ def test_the_keys_really_spread_over_the_three_masters(deployment: ClusterDeploy
     slots = {client.keyslot(name) for name in (keys.REQUEST_STREAM, keys.INFLIGHT, keys.FINISHED, keys.WORKERS_ALIVE)}
     assert len(slots) > 1
     assert int(client.get(keys.INFLIGHT) or 0) == 0
+
+
+def test_a_batch_runs_to_the_end_on_a_redis_cluster(deployment: ClusterDeployment) -> None:
+    """The batch path's cluster steps: the batch's keys before the active set, each line's keys before
+    the count and the XADD, then its IR (ingest.batch_jobs, ingest.publish)."""
+    rows = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "m", "messages": [{"role": "user", "content": f"Say {i}."}], "max_tokens": 4}} for i in range(3)]  # fmt: skip
+    with openai.OpenAI(base_url=f"{deployment.api.base_url}/v1", api_key="x", max_retries=0, timeout=60) as api:
+        uploaded = api.files.create(file=("in.jsonl", io.BytesIO(b"\n".join(json.dumps(r).encode() for r in rows))), purpose="batch")
+        batch = api.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+        end = time.monotonic() + 240
+        while (batch := api.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
+            assert time.monotonic() < end, f"the batch did not end: {batch}"
+            time.sleep(0.5)
+        assert batch.status == "completed" and batch.request_counts is not None
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 0)
+        results = [json.loads(x) for x in api.files.content(batch.output_file_id or "").text.splitlines()]
+    assert sorted(r["custom_id"] for r in results) == ["c0", "c1", "c2"]
+    assert all(r["response"]["status_code"] == 200 for r in results)
+    assert int(deployment.client().get(keys.INFLIGHT) or 0) == 0
