@@ -7,6 +7,12 @@ re-encoded from the first delta yields the same frames with the same ids: resumi
 re-encoding and skipping frames up to N (`skip`), on any API node. For Responses the id equals the
 event's `sequence_number`.
 
+Keep-alive comments (`: ping`, on the protocols with no ping event) go out as the comment line alone,
+without the blank line that ends an SSE event (`sse_response`): the last event id is sticky (WHATWG
+SSE, "dispatch the event"), so after any event with an `id:` a blank line dispatches an event with
+empty data, which the openai SDK parses as JSON and fails on. blacksheep's writer always ends a frame
+with a blank line, hence the few lines of our own here.
+
 Everything protocol-specific is in the encoders; this module only moves their frames.
 """
 
@@ -20,7 +26,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from blacksheep.contents import TextServerSentEvent
+from blacksheep.contents import StreamedContent, TextServerSentEvent
+from blacksheep.messages import Response
+from blacksheep.scribe import write_sse
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -83,6 +91,23 @@ async def tail(
                 yield delta
                 if is_terminal(delta):
                     return
+
+
+def sse_bytes(event: TextServerSentEvent) -> bytes:
+    """One event on the wire; a bare keep-alive comment as its line alone (see the module docstring)."""
+    if event.comment and not event.data and event.event is None and event.id is None:
+        return f": {event.comment}\n".encode()
+    return bytes(write_sse(event))
+
+
+def sse_response(events: Callable[[], AsyncIterator[TextServerSentEvent]], *, headers: list[tuple[bytes, bytes]]) -> Response:
+    """A 200 text/event-stream response writing `events()` with `sse_bytes`."""
+
+    async def body() -> AsyncIterator[bytes]:
+        async for event in events():
+            yield sse_bytes(event)
+
+    return Response(200, headers, StreamedContent(b"text/event-stream", body))
 
 
 def to_sse(frame: Frame, position: int | None = None) -> TextServerSentEvent:

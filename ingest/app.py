@@ -25,7 +25,6 @@ import orjson
 from blacksheep import Application, Content, Response
 from blacksheep import Request as HttpRequest
 from blacksheep.contents import TextServerSentEvent
-from blacksheep.server.sse import ServerSentEventsResponse
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -35,7 +34,7 @@ from encoders import openai_chat as chat_enc
 from encoders import openai_completions as completions_enc
 from encoders import openai_responses as response_enc
 from encoders.frames import Frame
-from encoders.wire import ClientLink, StreamEncoder, collect, sse_events, tail
+from encoders.wire import ClientLink, StreamEncoder, collect, sse_events, sse_response, tail
 from ingest import anthropic_messages, openai_chat, openai_completions, openai_responses, responses_store, resume, tokenize
 from ingest.auth import ANONYMOUS, Authenticator
 from ingest.batch_dispatch import BatchDispatcher
@@ -169,7 +168,7 @@ class Api:
             finally:
                 self.open_streams -= 1
 
-        return ServerSentEventsResponse(
+        return sse_response(
             events,
             headers=[(b"Cache-Control", b"no-cache"), (b"X-Accel-Buffering", b"no"), (b"X-Request-Id", request.id.encode())],
         )

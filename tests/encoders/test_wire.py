@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from cli.embedded_redis import EmbeddedRedis
 from encoders.anthropic_messages import MessagesStreamEncoder
 from encoders.openai_chat import ChatStreamEncoder
-from encoders.wire import LOST_REDIS, ClientLink, sse_events, tail
+from encoders.wire import LOST_REDIS, ClientLink, sse_events, sse_response, tail
 from shared import keys
 from shared.codec import encode_delta
 from shared.ir import Protocol
@@ -174,3 +174,41 @@ def test_a_redis_restart_mid_tail_is_ridden_out_and_a_long_outage_ends_the_strea
         assert events[-1] == "[DONE]" and not abandoned  # one error in the protocol's shape; the generation is not cancelled
     finally:
         server.stop()
+
+
+def test_chat_keep_alive_pings_after_numbered_events_are_no_events_to_the_openai_sdk(redis_server: str) -> None:
+    """A silence mid-stream (a worker being replaced, a long queue) sends `: ping` comments after events
+    that carry an `id:`. The SDK's SSE decoder keeps the last id, so a comment followed by a blank line
+    would be an event with empty data, which the SDK parses as JSON and fails on (found by the compose run)."""
+    from openai._streaming import SSEDecoder
+
+    async def scenario() -> bytes:
+        redis = Redis.from_url(redis_server)
+        req = request(Protocol.OPENAI_CHAT, id=f"pinged-{time.monotonic_ns()}", stream=True)
+        writer = asyncio.create_task(write_slowly(redis, req.id, pause=1.0))
+
+        async def events():  # type: ignore[no-untyped-def]
+            link = ClientLink(is_disconnected=_never, on_abandon=_nothing)
+            deltas = tail(redis, req.id, deadline=time.time() + 30, block_ms=100)
+            async for event in sse_events(deltas, ChatStreamEncoder(req), ping=lambda: [], ping_interval=0.2, client=link):
+                yield event
+
+        body = b"".join([chunk async for chunk in sse_response(events, headers=[]).content.get_parts()])  # type: ignore[union-attr]
+        await writer
+        await redis.aclose()
+        return body
+
+    body = asyncio.run(scenario())
+    assert body.count(b": ping\n") >= 2 and b"id: 1\n" in body.split(b": ping\n")[0]  # pings came after numbered events
+    parsed = list(SSEDecoder().iter_bytes(iter([body])))
+    assert parsed and all(sse.data for sse in parsed)
+    assert [sse.data for sse in parsed][-1] == "[DONE]"
+    assert all(orjson.loads(sse.data) for sse in parsed[:-1])
+
+
+async def _never() -> bool:
+    return False
+
+
+async def _nothing() -> None:
+    return None
