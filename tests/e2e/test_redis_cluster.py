@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import io
 import json
+import signal
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anthropic
@@ -24,6 +26,7 @@ from ..topology import RedisProcs, Role, responses_stream_text, spawn_role, star
 pytestmark = pytest.mark.e2e
 
 PROMPT = "Name three colors."
+LONG_PROMPT = "List the numbers from 1 to 40, separated by commas."
 MAX_TOKENS = 24
 
 
@@ -31,10 +34,15 @@ MAX_TOKENS = 24
 class ClusterDeployment:
     cluster: RedisProcs
     api: Role
-    worker: Role
+    workers: list[Role]
+
+    clients: list[RedisCluster] = field(default_factory=list)
 
     def client(self) -> RedisCluster:
-        return RedisCluster(host="127.0.0.1", port=self.cluster.ports[0])
+        """One cluster client for the module (closed with the deployment: no socket left to the GC)."""
+        if not self.clients:
+            self.clients.append(RedisCluster(host="127.0.0.1", port=self.cluster.ports[0]))
+        return self.clients[0]
 
 
 @pytest.fixture(scope="module")
@@ -44,23 +52,30 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterDepl
     first, second, _ = cluster.ports
     roles: list[Role] = []
     try:
-        # The two spellings: a cluster URL with two seeds, and a plain URL with --redis-cluster.
-        worker = spawn_role("worker", "worker", base, "--redis-url", f"redis://127.0.0.1:{second}/0", "--redis-cluster", "--data-dir", str(base / "w"), "--default-temperature", "0")
-        roles.append(worker)
+        # Every spelling: a plain URL with --redis-cluster, a cluster URL with one seed, and with two.
+        urls = [("--redis-url", f"redis://127.0.0.1:{second}/0", "--redis-cluster"), ("--redis-url", f"redis+cluster://127.0.0.1:{first}")]
+        workers = [
+            spawn_role(f"worker-{i}", "worker", base, *url, "--data-dir", str(base / f"w{i}"), "--default-temperature", "0", "--lease", "3")
+            for i, url in enumerate(urls)
+        ]
+        roles += workers
         api = spawn_role("api", "api", base, "--redis-url", f"redis+cluster://127.0.0.1:{first},127.0.0.1:{second}", "--data-dir", str(base / "a"))
         roles.append(api)
-        wait_serving(api, workers=1, others=(worker,))
-        yield ClusterDeployment(cluster, api, worker)
+        wait_serving(api, workers=2, others=tuple(workers))
+        deployment = ClusterDeployment(cluster, api, workers)
+        yield deployment
+        for client in deployment.clients:
+            client.close()
     finally:
         for role in roles:
             role.stop()
         cluster.stop()
 
 
-def chat_text(base_url: str) -> tuple[str, str | None]:
+def chat_text(base_url: str, max_tokens: int = MAX_TOKENS, prompt: str = PROMPT) -> tuple[str, str | None]:
     with openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=180) as api:
         stream = api.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS, stream=True, stream_options={"include_usage": True}
+            model="m", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}
         )
         text, finish, request_id = "", None, None
         for chunk in stream:
@@ -134,3 +149,36 @@ def test_a_batch_runs_to_the_end_on_a_redis_cluster(deployment: ClusterDeploymen
     assert sorted(r["custom_id"] for r in results) == ["c0", "c1", "c2"]
     assert all(r["response"]["status_code"] == 200 for r in results)
     assert int(deployment.client().get(keys.INFLIGHT) or 0) == 0
+
+
+def test_a_worker_killed_mid_stream_is_resumed_by_the_other_through_the_cluster(deployment: ClusterDeployment) -> None:
+    """XAUTOCLAIM, the attempt fence and the resume, with the request stream and the delta streams on
+    different masters."""
+    reference, _ = chat_text(deployment.api.base_url, max_tokens=80, prompt=LONG_PROMPT)
+    got: list[str | BaseException] = []
+
+    def client() -> None:
+        try:
+            got.append(chat_text(deployment.api.base_url, max_tokens=80, prompt=LONG_PROMPT)[0])
+        except BaseException as exc:  # asserted below
+            got.append(exc)
+
+    r = deployment.client()
+    since = time.time()
+    thread = threading.Thread(target=client)
+    thread.start()
+    victim = None
+    end = time.monotonic() + 120
+    while victim is None and time.monotonic() < end:
+        for rid in r.zrangebyscore(keys.REQUEST_INDEX, since, "+inf"):
+            worker = r.hget(keys.request_meta(rid.decode()), "worker")
+            if worker and r.xlen(keys.delta_stream(rid.decode())) >= 8:
+                pid = int(r.hget(keys.worker_info(worker.decode()), "pid") or 0)
+                victim = next((w for w in deployment.workers if w.proc.pid == pid), None)
+        time.sleep(0.05)
+    assert victim is not None, "no worker was seen streaming the request"
+    victim.signal(signal.SIGKILL)
+    thread.join(300)
+    assert got == [reference]
+    rids = r.zrangebyscore(keys.REQUEST_INDEX, since, "+inf")
+    assert max(int(r.hget(keys.request_meta(rid.decode()), "attempt") or 0) for rid in rids) >= 2
