@@ -3,11 +3,14 @@
 FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 MET_HOST=0.0.0.0
 WORKDIR /app
-# PyPI's torch wheel is the CUDA build; pass --build-arg TORCH_INDEX=<a CPU wheel index> for a small CPU image.
+# PyPI's torch wheel is the CUDA build. For a small CPU image put a CPU wheel of torch 2.13.0 in wheels/
+# (pip prefers it: `./dev test-compose` copies the host's), or pass --build-arg TORCH_INDEX=<a CPU wheel index>.
 ARG TORCH_INDEX=""
-RUN pip install --no-cache-dir ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} torch==2.13.0
+COPY wheels/ /tmp/wheels/
+RUN pip install --no-cache-dir --find-links /tmp/wheels ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} torch==2.13.0 && rm -rf /tmp/wheels
 COPY pyproject.toml README.md ./
 COPY shared shared
+COPY bus bus
 COPY ingest ingest
 COPY workers workers
 COPY encoders encoders

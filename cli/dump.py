@@ -19,8 +19,8 @@ from typing import Annotated, Any
 
 import orjson
 import typer
-from redis.asyncio import Redis
 
+from bus.connect import connect
 from cli import top_snapshot
 from ingest.dump_reader import Listed, ids_with_prefix, list_requests, load_record
 from shared.dumps import DumpRecord, display_status, generated_text, generated_token_ids, record_to_dict, record_to_line, terminal_label
@@ -149,7 +149,7 @@ def show_text(record: DumpRecord) -> str:
 
 
 async def _load(url: str, ids: Sequence[str]) -> list[DumpRecord | None]:
-    redis = Redis.from_url(url)
+    redis = connect(url)
     try:
         return [await load_record(redis, rid) for rid in ids]
     finally:
@@ -159,7 +159,7 @@ async def _load(url: str, ids: Sequence[str]) -> list[DumpRecord | None]:
 async def _load_by_prefix(url: str, id_or_prefix: str) -> tuple[DumpRecord | None, list[str]]:
     """The record whose id is `id_or_prefix`, else the one recorded id it starts; with the candidates
     when the prefix starts several (then no record)."""
-    redis = Redis.from_url(url)
+    redis = connect(url)
     try:
         record = await load_record(redis, id_or_prefix)
         if record is not None:
@@ -173,7 +173,7 @@ async def _load_by_prefix(url: str, id_or_prefix: str) -> tuple[DumpRecord | Non
 
 
 async def _list(url: str, *, since: float, limit: int, statuses: Sequence[str]) -> list[Listed]:
-    redis = Redis.from_url(url)
+    redis = connect(url)
     try:
         return await list_requests(redis, since=since, limit=limit, statuses=statuses)
     finally:

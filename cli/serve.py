@@ -21,8 +21,8 @@ from dataclasses import fields, replace
 from types import FrameType
 
 import uvicorn
-from redis.asyncio import Redis
 
+from bus.connect import connect
 from cli.embedded_redis import EmbeddedRedis, detached
 from cli.top_serve import Dashboard
 from shared import keys
@@ -121,7 +121,7 @@ async def run_api(settings: Settings, before_exit: Callable[[], None] | None = N
 
 
 async def _announce_when_ready(settings: Settings, workers: int) -> None:
-    redis = Redis.from_url(settings.redis_url or "")
+    redis = connect(settings.redis_url or "")
     try:
         while True:
             alive = await redis.zrangebyscore(keys.WORKERS_ALIVE, time.time() - settings.heartbeat_ttl, "+inf")

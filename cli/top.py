@@ -16,7 +16,6 @@ import asyncio
 import signal
 from typing import Any, ClassVar
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from rich.text import Text
 from textual.app import App, ComposeResult
@@ -25,6 +24,7 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Sparkline, Static
 
+from bus.connect import connect
 from cli.top_snapshot import RequestDetail, Snapshot, ThroughputHistory, cancel, take_request_detail, take_snapshot
 from shared.redact import redact_url
 from shared.settings import Settings
@@ -178,7 +178,7 @@ class TopApp(App[None]):
         self.redis_url = redis_url
         self.heartbeat_ttl = settings.heartbeat_ttl
         self.banner = title
-        self.redis = Redis.from_url(redis_url)
+        self.redis = connect(redis_url)
         self.snapshot: Snapshot | None = None
         self.history = ThroughputHistory()
         self.paused = False

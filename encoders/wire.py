@@ -9,6 +9,12 @@ event's `sequence_number`. A stream of several choices (encoders.fan_in) numbers
 on its own and gives every event the positions of all of them, dot-joined (`4.-1.7`): the choices'
 interleaving is not reproducible, but each choice's frames are.
 
+Keep-alive comments (`: ping`, on the protocols with no ping event) go out as the comment line alone,
+without the blank line that ends an SSE event (`sse_response`): the last event id is sticky (WHATWG
+SSE, "dispatch the event"), so after any event with an `id:` a blank line dispatches an event with
+empty data, which the openai SDK parses as JSON and fails on. blacksheep's writer always ends a frame
+with a blank line, hence the few lines of our own here.
+
 Everything protocol-specific is in the encoders; this module only moves their frames.
 """
 

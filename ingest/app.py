@@ -28,6 +28,7 @@ from blacksheep.contents import TextServerSentEvent
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from bus.connect import connect
 from encoders import anthropic_messages as messages_enc
 from encoders import openai_chat as chat_enc
 from encoders import openai_completions as completions_enc
@@ -71,7 +72,7 @@ class Api:
         self.settings = settings
         self.renderer = renderer
         self.model_name = settings.served_model_name or renderer.info.name
-        self.redis: Redis = Redis.from_url(settings.redis_url or "redis://127.0.0.1:6379")
+        self.redis: Redis = connect(settings.redis_url or "redis://127.0.0.1:6379")
         self.started = int(time.time())
         self.draining = False  # set on shutdown: /ready turns 503 before anything stops
         self.open_streams = 0  # SSE responses in progress on this node

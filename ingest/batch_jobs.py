@@ -157,11 +157,17 @@ async def create(redis: Redis, settings: Settings, *, record: dict[str, Any], li
     if doc["status"] == "failed":
         doc["failed_at"] = now
     bid, ttl = doc["id"], settings.batch_retention
+    # The batch's own keys first, then the global set that makes dispatchers look at it: on a Redis
+    # Cluster the two halves live on different nodes and one pipeline would send them concurrently, and
+    # a dispatcher that saw the id before the doc existed would drop it as expired (bus/connect.py).
     async with redis.pipeline(transaction=False) as pipe:
         pipe.set(keys.batch_doc(bid), orjson.dumps(doc), ex=ttl)
         if lines:
             pipe.rpush(keys.batch_lines(bid), *(orjson.dumps(line) for line in lines))
             pipe.expire(keys.batch_lines(bid), ttl)
+        await pipe.execute()
+    async with redis.pipeline(transaction=False) as pipe:
+        if lines:
             pipe.sadd(keys.BATCHES_ACTIVE, bid)
         pipe.zadd(keys.batches_of(doc["owner"]), {bid: now})
         await pipe.execute()

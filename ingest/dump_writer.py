@@ -25,6 +25,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from bus.connect import connect
 from ingest.dump_reader import load_record
 from shared import keys
 from shared.codec import CodecError
@@ -139,7 +140,7 @@ class DumpWriterTask:
     still reach the files."""
 
     def __init__(self, redis_url: str, directory: str | Path, *, max_bytes: int = MAX_FILE_BYTES) -> None:
-        self.redis = Redis.from_url(redis_url)
+        self.redis = connect(redis_url)
         self.writer = DumpWriter(self.redis, RotatingJsonl(directory, max_bytes=max_bytes))
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

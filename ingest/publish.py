@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from bus.connect import is_cluster
 from shared import keys
 from shared.codec import VERSION, encode_request
 from shared.ir import Request
@@ -18,8 +20,16 @@ async def submit(redis: Redis, request: Request) -> None:
     """Record the request (IR, meta, index), create its empty delta stream (so that workers' NOMKSTREAM
     writes can never recreate an expired one), then XADD it (never MAXLEN: accepted work is never trimmed).
 
-    A non-transactional pipeline keeps the order and stays valid on a Redis cluster, where these keys
-    live in different slots."""
+    On one Redis a non-transactional pipeline keeps that order. On a cluster these keys live in
+    different slots and redis-py sends each node's share concurrently, so the request's own keys are
+    written first (one slot, one script) and the global ones after (bus.connect)."""
+    if is_cluster(redis):
+        encoded = encode_request(request)
+        await _record(redis, request, encoded)
+        async with redis.pipeline(transaction=False) as pipe:
+            _enqueue(pipe, request, encoded)
+            await pipe.execute()
+        return
     async with redis.pipeline(transaction=False) as pipe:
         _queue(pipe, request)
         await pipe.execute()
@@ -28,7 +38,21 @@ async def submit(redis: Redis, request: Request) -> None:
 async def submit_batch_line(redis: Redis, request: Request) -> None:
     """`submit` for a batch line, all or nothing (MULTI/EXEC), with its place in the queue counted:
     once the IR key exists the line is queued, so a dispatcher that restarts asks `is_queued` and never
-    queues a line twice or loses one. (MULTI over these keys needs one Redis, not a cluster.)"""
+    queues a line twice or loses one.
+
+    A cluster has no MULTI across slots, so there it takes three steps: the request's keys without the
+    IR (an idempotent script), then the count and the XADD, then the IR key. A dispatcher that dies
+    between the last two queues that one line twice when it restarts (it runs twice; its result is
+    recorded once, by custom_id): at least once, never lost."""
+    if is_cluster(redis):
+        encoded = encode_request(request)
+        await _record(redis, request, b"")
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.incrby(keys.INFLIGHT, 1)
+            _enqueue(pipe, request, encoded)
+            await pipe.execute()
+        await redis.set(keys.request_ir(request.id), encoded)
+        return
     async with redis.pipeline(transaction=True) as pipe:
         pipe.incrby(keys.INFLIGHT, 1)
         _queue(pipe, request)
@@ -51,6 +75,30 @@ def _queue(pipe: Pipeline, request: Request) -> None:
     pipe.xadd(deltas, {"created": b"1"}, id="0-1")
     pipe.xtrim(deltas, maxlen=0, approximate=False)
     pipe.zadd(keys.REQUEST_INDEX, {request.id: now})
+    pipe.xadd(keys.REQUEST_STREAM, {"v": VERSION, "id": request.id, "req": encoded})
+
+
+# The request's own keys, one slot (cluster path): KEYS ir, meta, deltas; ARGV encoded IR ('' = not
+# yet), protocol, model, endpoint, now. Creates the empty delta stream once (an empty stream stays a key).
+_RECORD = """
+if redis.call('EXISTS', KEYS[3]) == 0 then
+  redis.call('XADD', KEYS[3], '0-1', 'created', '1')
+  redis.call('XTRIM', KEYS[3], 'MAXLEN', 0)
+end
+redis.call('HSET', KEYS[2], 'status', 'queued', 'protocol', ARGV[2], 'model', ARGV[3], 'endpoint', ARGV[4], 'received_at', ARGV[5])
+if ARGV[1] ~= '' then redis.call('SET', KEYS[1], ARGV[1]) end
+return 1
+"""
+
+
+async def _record(redis: Redis, request: Request, encoded: bytes) -> None:
+    ids = (keys.request_ir(request.id), keys.request_meta(request.id), keys.delta_stream(request.id))
+    await redis.eval(_RECORD, 3, *ids, encoded, request.protocol.value, request.model, request.endpoint, time.time())
+
+
+def _enqueue(pipe: Any, request: Request, encoded: bytes) -> None:
+    """The global half of a submit (cluster path): the index and the request stream."""
+    pipe.zadd(keys.REQUEST_INDEX, {request.id: time.time()})
     pipe.xadd(keys.REQUEST_STREAM, {"v": VERSION, "id": request.id, "req": encoded})
 
 

@@ -23,6 +23,7 @@ def default_data_dir(environ: Mapping[str, str]) -> str:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
     redis_url: str | None = None  # None: `met serve` starts an embedded redis-server
+    redis_cluster: bool = False  # redis_url names a Redis Cluster node (same as a redis+cluster:// URL)
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = DEFAULT_MODEL
@@ -98,6 +99,15 @@ class Settings:
     def with_overrides(self, **overrides: Any) -> Settings:
         """Apply CLI flags; a flag left at None keeps the environment's value."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def cluster_url(self) -> Settings:
+        """With `redis_cluster`, spell the URL as a cluster URL (redis+cluster://), which is all every
+        role and child process then looks at (bus.connect)."""
+        url = self.redis_url or ""
+        if not self.redis_cluster or "+cluster://" in url or not url.startswith(("redis://", "rediss://")):
+            return self
+        scheme, rest = url.split("://", 1)
+        return replace(self, redis_url=f"{scheme}+cluster://{rest}")
 
 
 def _convert(type_name: Any, raw: str) -> Any:

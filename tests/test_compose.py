@@ -1,4 +1,5 @@
-"""compose.yaml, parsed: no Docker engine runs here, so this checks the structure the README promises."""
+"""compose.yaml, parsed: the structure the README promises, checked without a Docker engine (the real run is
+tests/compose/test_compose_run.py, `./dev test-compose`)."""
 
 from __future__ import annotations
 

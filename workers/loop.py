@@ -22,6 +22,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from bus.connect import queue_script
 from shared import keys
 from shared.codec import decode_delta, decode_request, encode_delta
 from shared.deltas import Error, ErrorKind, Finish, FinishReason, StreamDelta, Usage, is_terminal
@@ -234,7 +235,7 @@ class WorkerLoop:
             for rid in rids:
                 terminal = next((e for e in by_request[rid] if e.terminal), None)
                 args: list[Any] = [self.held[rid].attempt, self.settings.dump_ttl, self._outcome(terminal), now, terminal.batch_max if terminal else 0]
-                await self._fenced(keys=list(_script_keys(rid)), args=[*args, *(encode_delta(e.delta) for e in by_request[rid])], client=pipe)
+                queue_script(pipe, self._fenced, _script_keys(rid), [*args, *(encode_delta(e.delta) for e in by_request[rid])])
             results = await pipe.execute()
         for rid, written in zip(rids, results, strict=True):
             terminal = next((e for e in by_request[rid] if e.terminal), None)

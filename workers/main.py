@@ -11,8 +11,7 @@ import socket
 from dataclasses import replace
 from functools import partial
 
-from redis.asyncio import Redis
-
+from bus.connect import connect
 from models.files import local_folder
 from models.generation import sampling_defaults
 from models.prompt import PromptRenderer
@@ -68,7 +67,7 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
 async def run_worker(settings: Settings) -> None:
     assert settings.redis_url, "a worker needs --redis-url"
     engine, info = await asyncio.to_thread(build_engine, settings)
-    redis = Redis.from_url(settings.redis_url)
+    redis = connect(settings.redis_url)
     engine.sealer = await load_sealer(redis, keys.SEAL_KEY)
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
     loop = WorkerLoop(redis, engine, settings=settings, worker_id=worker_id, info=info)

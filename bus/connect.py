@@ -1,0 +1,89 @@
+"""One way to open Redis for every role: a single server or a Redis Cluster, from one URL.
+
+- `redis://`, `rediss://`, `unix://`: one server (redis-py's `Redis`).
+- `redis+cluster://[user:password@]host:port[,host:port...]` (`rediss+cluster://` for TLS), or any
+  redis URL with `--redis-cluster` / `MET_REDIS_CLUSTER=1`: redis-py's `RedisCluster`, seeded from
+  those nodes (it discovers the rest and follows MOVED / ASK on resharding and failover).
+
+Cluster rules the code keeps (audited; see the README's Redis Cluster section):
+- every Lua script and MULTI/EXEC touches one hash slot: the per-request keys share `{req:<id>}`, a
+  caller's rate buckets `{<caller>}`, a batch's keys `{<batch id>}`, a file's `{<file id>}`;
+- a non-transactional pipeline may span slots, but redis-py sends each node's share concurrently, so
+  no order holds between slots: where order matters (ingest.publish) it is two round trips;
+- XREAD / XREADGROUP read one stream at a time.
+
+The global keys (the request stream and its consumer group, the in-flight counter, the finished feed,
+the alive set, the request index) each live in one slot: they are the cluster's hot keys. One slot
+carries them at the rates one model server produces (a few XADDs per request, not per token); the
+per-token traffic (the delta streams) spreads over every slot. They are not sharded.
+
+`RedisCluster` is not a subclass of `Redis` but answers the same commands this code uses, so
+`connect` is typed as `Redis` for its callers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+from urllib.parse import unquote, urlsplit
+
+from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterNode
+from redis.commands.core import AsyncScript
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster_url(url: str) -> bool:
+    return urlsplit(url).scheme in CLUSTER_SCHEMES
+
+
+def is_cluster(redis: Any) -> bool:
+    """Whether `redis` (as `connect` made it) talks to a Redis Cluster."""
+    return isinstance(redis, RedisCluster)
+
+
+def connect(url: str) -> Redis:
+    """An asyncio client for `url`: a cluster client for a `+cluster` URL (`--redis-cluster` turns a
+    plain URL into one: shared.settings.Settings.cluster_url)."""
+    if not is_cluster_url(url):
+        return Redis.from_url(url)
+    return cast(Redis, RedisCluster(**cluster_options(url)))
+
+
+def cluster_options(url: str) -> dict[str, Any]:
+    """RedisCluster's keyword arguments for a (possibly multi-host) cluster URL."""
+    parts = urlsplit(url)
+    scheme = CLUSTER_SCHEMES.get(parts.scheme, parts.scheme)
+    if scheme not in ("redis", "rediss"):
+        raise ValueError(f"{parts.scheme}:// cannot name a Redis Cluster: use redis+cluster://host:port")
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError("a Redis Cluster has only database 0: drop the /<db> from the URL")
+    credentials, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = credentials.partition(":") if credentials else ("", "", "")
+    nodes = [_node(h) for h in hosts.split(",") if h]
+    if not nodes:
+        raise ValueError(f"no host in the Redis Cluster URL {scheme}://…")
+    options: dict[str, Any] = {"startup_nodes": nodes, "ssl": scheme == "rediss"}
+    if password:
+        options["password"] = unquote(password)
+    if user:
+        options["username"] = unquote(user)
+    return options
+
+
+def _node(host_port: str) -> ClusterNode:
+    host, _, port = host_port.rpartition(":") if ":" in host_port else (host_port, "", "6379")
+    return ClusterNode(host.strip("[]"), int(port))
+
+
+def queue_script(pipe: Any, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> None:
+    """Queue `script` on a pipeline of either client. A standalone pipeline loads it once (EVALSHA);
+    a cluster pipeline cannot (the script may be missing on the node the slot lives on), so it sends
+    the body (EVAL), which every node accepts."""
+    if isinstance(pipe, Pipeline):
+        pipe.scripts.add(cast(Any, script))  # typed as the sync Script; the async pipeline holds AsyncScripts
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
+    else:
+        pipe.eval(script.script, len(keys), *keys, *args)
