@@ -59,7 +59,7 @@ class WorkerView:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QueueView:
-    inflight: int  # accepted and unfinished, cluster-wide (met:inflight)
+    inflight: int  # accepted and unfinished, cluster-wide (met:inflight:ids, its size)
     pending: int  # delivered to a worker, not yet acknowledged
     undelivered: int  # on the stream, not yet read by any worker
     undelivered_estimated: bool  # Redis < 7 has no `lag`: inflight - pending instead
@@ -180,7 +180,7 @@ async def take_snapshot(redis: Redis, *, heartbeat_ttl: float) -> Snapshot:
     async with redis.pipeline(transaction=False) as pipe:
         pipe.time()
         pipe.zrange(keys.WORKERS_ALIVE, 0, -1, withscores=True)
-        pipe.get(keys.INFLIGHT)
+        pipe.zcard(keys.INFLIGHT)
         pipe.xinfo_groups(keys.REQUEST_STREAM)
         pipe.xpending(keys.REQUEST_STREAM, keys.WORKER_GROUP)
         pipe.zrevrange(keys.REQUEST_INDEX, 0, INDEX_WINDOW - 1)

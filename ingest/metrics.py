@@ -85,7 +85,7 @@ async def read_cluster(redis: Redis, *, heartbeat_ttl: float) -> ClusterFigures:
         async with redis.pipeline(transaction=False) as pipe:
             for worker in alive:
                 pipe.hmget(keys.worker_info(_text(worker)), _WORKER_FIELDS)
-            pipe.get(keys.INFLIGHT)
+            pipe.zcard(keys.INFLIGHT)
             pipe.xlen(keys.DEAD_LETTER)
             *hashes, inflight, dead = await pipe.execute()
     except RedisError as exc:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
+from redis.exceptions import RedisError
 
 from shared import keys
 from shared.codec import VERSION, encode_request
@@ -30,7 +32,7 @@ async def submit_batch_line(redis: Redis, request: Request) -> None:
     once the IR key exists the line is queued, so a dispatcher that restarts asks `is_queued` and never
     queues a line twice or loses one. (MULTI over these keys needs one Redis, not a cluster.)"""
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.incrby(keys.INFLIGHT, 1)
+        pipe.zadd(keys.INFLIGHT, {request.id: time.time()})
         _queue(pipe, request)
         await pipe.execute()
 
@@ -54,22 +56,40 @@ def _queue(pipe: Pipeline, request: Request) -> None:
     pipe.xadd(keys.REQUEST_STREAM, {"v": VERSION, "id": request.id, "req": encoded})
 
 
-# Atomically: refuse (-1) when admitting ARGV[1] more requests would pass the limit ARGV[2].
+# Atomically: drop ids admitted before ARGV[2] (older than any request lives), then refuse (-1) when admitting
+# the ids ARGV[4..] would pass the limit ARGV[1]; else add them with score ARGV[3] (now) and return the size.
 _ADMIT = """
-local n = tonumber(redis.call('GET', KEYS[1]) or '0')
-if n + tonumber(ARGV[1]) > tonumber(ARGV[2]) then return -1 end
-return redis.call('INCRBY', KEYS[1], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[2])
+if redis.call('ZCARD', KEYS[1]) + #ARGV - 3 > tonumber(ARGV[1]) then return -1 end
+for i = 4, #ARGV do redis.call('ZADD', KEYS[1], ARGV[3], ARGV[i]) end
+return redis.call('ZCARD', KEYS[1])
 """
+LIFETIME_MARGIN_S = 120.0  # past the request timeout: queue and clock slack before an id is surely stale
 
 
-async def admit(redis: Redis, count: int, limit: int) -> bool:
-    """Reserve `count` places in the queue; False when the queue is full."""
-    result = await redis.eval(_ADMIT, 1, keys.INFLIGHT, count, limit)
+async def admit(redis: Redis, request_ids: list[str], limit: int, *, request_timeout: float) -> bool:
+    """Reserve a place in the queue for each id; False when the queue is full."""
+    now = time.time()
+    result = await redis.eval(_ADMIT, 1, keys.INFLIGHT, limit, now - request_timeout - LIFETIME_MARGIN_S, now, *request_ids)
     return int(result) >= 0
 
 
-async def release(redis: Redis, count: int) -> None:
-    await redis.decrby(keys.INFLIGHT, count)
+async def release(redis: Redis, request_ids: list[str]) -> None:
+    if request_ids:
+        await redis.zrem(keys.INFLIGHT, *request_ids)
+
+
+async def submit_all(redis: Redis, parts: list[Request]) -> None:
+    """`submit` each admitted part; on a Redis error give back the places of the parts not tried (best
+    effort: what a failing Redis keeps, the sweep finds), and raise. The part that failed keeps its place:
+    it may have been queued (a lost reply), and if not, the sweep removes it (its request never appears)."""
+    for i, part in enumerate(parts):
+        try:
+            await submit(redis, part)
+        except RedisError:
+            with contextlib.suppress(RedisError):
+                await release(redis, [p.id for p in parts[i + 1 :]])
+            raise
 
 
 async def cancel(redis: Redis, request_id: str, *, by_operator: bool = False) -> None:
