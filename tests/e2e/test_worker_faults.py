@@ -1,0 +1,113 @@
+"""Worker faults with real processes: `met serve` on a standalone redis-server (AOF, fsync always) and the
+real default model, driven by the official SDKs.
+
+- Redis is killed (-9) mid-stream and restarted on the same port: per protocol the client gets the full
+  greedy text of an undisturbed run, the worker process is the same one (pid unchanged, model not
+  reloaded), and the in-flight set returns to empty.
+- One request that makes every step fail (test-only fault injection) fails alone: its batch mates
+  finish with their full text, and it is delivered once (no redelivery, no dead letter)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import openai
+import pytest
+import redis
+
+from cli.embedded_redis import EmbeddedRedis
+from shared import keys
+from workers.faults import FAULT_INJECTION_FILE
+
+from ..conftest import LiveServer, start_server, stop_server
+from .test_recovery import in_background, newest_request, reference_text, stream_anthropic, stream_openai, stream_responses, wait_for
+
+pytestmark = pytest.mark.e2e
+
+FAULT = "FAULTY-9c1e"
+
+
+@pytest.fixture(scope="module")
+def standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedRedis, LiveServer]]:
+    base = tmp_path_factory.mktemp("faults")
+    store = EmbeddedRedis(str(base / "store"), appendfsync="always")
+    url = store.start()
+    data = base / "serve"
+    data.mkdir()
+    (data / FAULT_INJECTION_FILE).touch()  # test-only: fault injection works only with this file in the data dir
+    (data / "redis.url").write_text(url)  # where start_server looks (met serve writes it only for its embedded Redis)
+    try:
+        server = start_server(data, "--redis-url", url, "--workers", "1", env={"MET_FAIL_ON": FAULT})
+        try:
+            yield store, server
+        finally:
+            stop_server(server)
+    finally:
+        store.stop()
+
+
+def worker_pids(r: redis.Redis) -> list[int]:
+    ids = [w.decode() for w in r.zrangebyscore(keys.WORKERS_ALIVE, time.time() - 5, "+inf")]
+    return sorted(int(r.hget(keys.worker_info(w), "pid") or 0) for w in ids)
+
+
+def kill_and_restart(store: EmbeddedRedis, outage_s: float) -> None:
+    assert store.proc is not None
+    store.proc.kill()  # kill -9
+    store.proc.wait()
+    time.sleep(outage_s)
+    store.start()  # same port, same AOF
+
+
+@pytest.mark.parametrize("client", [stream_openai, stream_anthropic, stream_responses], ids=["openai", "anthropic", "responses"])
+def test_a_kill_9_and_restart_of_redis_mid_stream_gives_the_full_text_from_the_same_worker(
+    standalone: tuple[EmbeddedRedis, LiveServer], client: Callable[[LiveServer], str]
+) -> None:
+    store, server = standalone
+    r = server.redis()
+    [pid] = wait_for("one live worker", lambda: worker_pids(r))  # type: ignore[misc]
+    expected = reference_text(server)
+    started = time.time()
+    thread, result = in_background(lambda: client(server))
+    rid = str(wait_for("the request", lambda: newest_request(r, started)))
+    wait_for("a few deltas", lambda: r.xlen(keys.delta_stream(rid)) >= 8)
+    r.close()
+    kill_and_restart(store, outage_s=2.0)
+    thread.join(180)
+    assert "error" not in result, result
+    assert result["text"] == expected
+    r = server.redis()
+    assert r.hget(keys.request_meta(rid), "attempt") == b"1"  # the same attempt carried on: nothing was reclaimed
+    wait_for("the in-flight set to empty", lambda: r.zcard(keys.INFLIGHT) == 0, timeout=30)
+    assert worker_pids(r) == [pid]  # the same process: it neither died nor reloaded the model
+    assert int(r.hget(keys.worker_info(next(iter(r.zrange(keys.WORKERS_ALIVE, 0, -1))).decode()), "redis_outages") or 0) >= 1
+    r.close()
+
+
+def chat(server: LiveServer, prompt: str) -> str:
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=180) as api:
+        reply = api.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0)
+    return reply.choices[0].message.content or ""
+
+
+def test_a_request_that_fails_every_step_fails_alone_while_its_batch_mates_finish(standalone: tuple[EmbeddedRedis, LiveServer]) -> None:
+    _, server = standalone
+    prompts = [f"Name {n} colours." for n in ("two", "three", "four")]
+    expected = [chat(server, p) for p in prompts]  # each alone, undisturbed
+    r = server.redis()
+    started = time.time()
+    runs = [in_background(lambda p=p: chat(server, p)) for p in prompts[:1]]  # type: ignore[misc]
+    poisoned, outcome = in_background(lambda: chat(server, f"Say {FAULT}:step please."))
+    runs += [in_background(lambda p=p: chat(server, p)) for p in prompts[1:]]  # type: ignore[misc]
+    for thread, _ in [*runs, (poisoned, outcome)]:
+        thread.join(180)
+    assert [res.get("text") for _, res in runs] == expected
+    assert isinstance(outcome.get("error"), openai.InternalServerError), outcome
+    ids = [m.decode() for m in r.zrangebyscore(keys.REQUEST_INDEX, started, "+inf")]
+    [poison] = [rid for rid in ids if FAULT.encode() in (r.get(keys.request_ir(rid)) or b"")]
+    assert r.hget(keys.request_meta(poison), "deliveries") == b"1"
+    assert not [f for _, f in r.xrange(keys.DEAD_LETTER) if f.get(b"id", b"").decode() == poison]
+    assert r.zcard(keys.INFLIGHT) == 0
+    r.close()
+
