@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 from cli.top_batches import BatchView, take_batches
 from ingest.publish import cancel as set_cancel_flag
 from shared import keys
-from shared.codec import CodecError, decode_delta, decode_request
+from shared.codec import CodecError, decode_request, delta_of
 from shared.deltas import Content, Error, Finish
 from shared.ir import TextPart
 from shared.settings import Settings
@@ -409,13 +409,12 @@ def _our_group(groups: Any) -> dict[str, Any] | None:
 
 def _deltas(entries: list[Any]) -> Iterable[Any]:
     for _entry_id, raw in entries:
-        payload = raw.get(b"d", raw.get("d"))
-        if payload is None:
-            continue
         try:
-            yield decode_delta(payload)
+            delta = delta_of(raw)
         except (CodecError, ValueError, KeyError, TypeError):
             continue
+        if delta is not None:
+            yield delta
 
 
 def _token_ids(delta: Any) -> tuple[int, ...]:

@@ -40,7 +40,7 @@ from redis.exceptions import RedisError
 
 from ingest.dump_reader import load_record
 from shared import keys
-from shared.codec import CodecError
+from shared.codec import CodecError, request_id_of
 from shared.dumps import record_to_line
 
 log = logging.getLogger("met.dumps")
@@ -222,7 +222,7 @@ class DumpWriter:
         entries = [entry for _stream, stream_entries in reply or [] for entry in stream_entries]
         lines: list[tuple[str, bytes]] = []
         for _entry_id, fields in entries:
-            rid = _text(fields.get(b"id", b""))
+            rid = request_id_of(fields)
             if rid in self._recent or any(rid == seen for seen, _ in lines):
                 continue  # announced twice (a worker's resend after a lost reply): written once
             line = await self._line(rid)

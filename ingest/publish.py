@@ -10,7 +10,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from shared import keys
-from shared.codec import VERSION, encode_request
+from shared.codec import QUEUED, STREAM_MARKER, Meta, encode_request, request_entry
 from shared.ir import Request
 
 CANCEL_TTL = 3600
@@ -46,14 +46,12 @@ def _queue(pipe: Pipeline, request: Request) -> None:
     now = time.time()
     deltas = keys.delta_stream(request.id)
     pipe.set(keys.request_ir(request.id), encoded)
-    pipe.hset(
-        keys.request_meta(request.id),
-        mapping={"status": "queued", "protocol": request.protocol.value, "model": request.model, "endpoint": request.endpoint, "received_at": now},
-    )
-    pipe.xadd(deltas, {"created": b"1"}, id="0-1")
+    meta = {Meta.STATUS: QUEUED, Meta.PROTOCOL: request.protocol.value, Meta.MODEL: request.model, Meta.ENDPOINT: request.endpoint, Meta.RECEIVED_AT: now}
+    pipe.hset(keys.request_meta(request.id), mapping=meta)  # type: ignore[arg-type]
+    pipe.xadd(deltas, STREAM_MARKER, id="0-1")
     pipe.xtrim(deltas, maxlen=0, approximate=False)
     pipe.zadd(keys.REQUEST_INDEX, {request.id: now})
-    pipe.xadd(keys.REQUEST_STREAM, {"v": VERSION, "id": request.id, "req": encoded})
+    pipe.xadd(keys.REQUEST_STREAM, request_entry(request, encoded))
 
 
 # Atomically: drop ids admitted before ARGV[2] (older than any request lives), then refuse (-1) when admitting

@@ -25,24 +25,25 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from shared import keys
+from shared.codec import DELTA_FIELD, FINISHED, RUNNING, Meta
 
 # KEYS: meta, deltas, request, cancel. ARGV: attempt, ttl, outcome ("" unless terminal), now, batch_max,
 # written (how many deltas of this attempt the caller knows were written), then one encoded delta per
 # remaining argument. Returns 1 when written, 0 when the attempt is stale. The meta field `emitted` counts
 # this attempt's deltas: a resend after a lost reply skips the ones already written (never a duplicate).
-FENCED_WRITE = """
-if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 0 end
-local have = tonumber(redis.call('HGET', KEYS[1], 'emitted') or '0')
+FENCED_WRITE = f"""
+if redis.call('HGET', KEYS[1], '{Meta.ATTEMPT}') ~= ARGV[1] then return 0 end
+local have = tonumber(redis.call('HGET', KEYS[1], '{Meta.EMITTED}') or '0')
 local base = tonumber(ARGV[6])
 for i = 7, #ARGV do
-  if base + i - 7 >= have then redis.call('XADD', KEYS[2], 'NOMKSTREAM', '*', 'd', ARGV[i]) end
+  if base + i - 7 >= have then redis.call('XADD', KEYS[2], 'NOMKSTREAM', '*', '{DELTA_FIELD}', ARGV[i]) end
 end
-if base + #ARGV - 6 > have then redis.call('HSET', KEYS[1], 'emitted', base + #ARGV - 6) end
+if base + #ARGV - 6 > have then redis.call('HSET', KEYS[1], '{Meta.EMITTED}', base + #ARGV - 6) end
 if ARGV[3] == '' then
-  if #ARGV >= 7 then redis.call('HSETNX', KEYS[1], 'first_token_at', ARGV[4]) end
+  if #ARGV >= 7 then redis.call('HSETNX', KEYS[1], '{Meta.FIRST_TOKEN_AT}', ARGV[4]) end
   return 1
 end
-redis.call('HSET', KEYS[1], 'status', 'finished', 'outcome', ARGV[3], 'finished_at', ARGV[4], 'batch_max', ARGV[5])
+redis.call('HSET', KEYS[1], '{Meta.STATUS}', '{FINISHED}', '{Meta.OUTCOME}', ARGV[3], '{Meta.FINISHED_AT}', ARGV[4], '{Meta.BATCH_MAX}', ARGV[5])
 for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 return 1
 """
@@ -136,8 +137,9 @@ async def release(redis: Redis, consumer: str, entry_ids: list[str], *, lease_s:
 async def begin_attempt(redis: Redis, request_id: str, *, worker: str, deliveries: int) -> int:
     """Bump and return the request's attempt number (the fencing token) and record the claim."""
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.hincrby(keys.request_meta(request_id), "attempt", 1)
-        pipe.hset(keys.request_meta(request_id), mapping={"status": "running", "worker": worker, "claimed_at": time.time(), "deliveries": deliveries, "emitted": 0})
+        pipe.hincrby(keys.request_meta(request_id), Meta.ATTEMPT, 1)
+        claim = {Meta.STATUS: RUNNING, Meta.WORKER: worker, Meta.CLAIMED_AT: time.time(), Meta.DELIVERIES: deliveries, Meta.EMITTED: 0}
+        pipe.hset(keys.request_meta(request_id), mapping=claim)  # type: ignore[arg-type]
         attempt, _ = await pipe.execute()
     return int(attempt)
 
@@ -152,10 +154,10 @@ async def sweep_inflight(redis: Redis, *, grace_s: float) -> list[str]:
         return []
     async with redis.pipeline(transaction=False) as pipe:
         for rid, _admitted in members:
-            pipe.hget(keys.request_meta(_text(rid)), "status")
+            pipe.hget(keys.request_meta(_text(rid)), Meta.STATUS)
         statuses = await pipe.execute()
     cutoff = time.time() - grace_s
-    gone = [_text(rid) for (rid, admitted), status in zip(members, statuses, strict=True) if status == b"finished" or (status is None and admitted < cutoff)]
+    gone = [_text(rid) for (rid, admitted), status in zip(members, statuses, strict=True) if status == FINISHED.encode() or (status is None and admitted < cutoff)]
     if gone:
         await redis.zrem(keys.INFLIGHT, *gone)
     return gone

@@ -32,7 +32,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from shared import keys
-from shared.codec import decode_delta, decode_request, encode_delta
+from shared.codec import Meta, dead_letter_entry, deltas_of, encode_delta, finished_entry, request_id_of, request_of
 from shared.deltas import Error, ErrorKind, Finish, FinishReason, StreamDelta, Usage, is_terminal
 from shared.ir import Request
 from shared.settings import Settings
@@ -223,14 +223,14 @@ class WorkerLoop:
         """Start (or resume) a claimed request under a new attempt number."""
         try:
             assert claimed.fields is not None, "entry trimmed"
-            request = decode_request(claimed.fields[b"req"])
+            request = request_of(claimed.fields)
         except Exception as exc:  # a payload never kills the worker
             await self.unreadable(claimed, exc)
             return
         recorded = await self.recorded_deltas(request.id)
         terminal = next((d for d in recorded if is_terminal(d)), None)
         if terminal is not None:  # an earlier attempt finished it and died before its ack: finish the books only
-            outcome: Any = await self.redis.hget(keys.request_meta(request.id), "outcome")
+            outcome: Any = await self.redis.hget(keys.request_meta(request.id), Meta.OUTCOME)
             self.held[request.id] = Held(claimed.entry_id, 0)
             await self._forget(request.id, ack=True, outcome=bytes(outcome).decode() if outcome else _outcome(terminal))
             return
@@ -264,9 +264,9 @@ class WorkerLoop:
         """An entry that does not decode: dead-lettered and acknowledged; when it names its request, that
         request ends with one Error (its client is not left waiting), whatever the delivery count."""
         reason = f"{type(exc).__name__}: {exc}"[:300]
-        rid = (claimed.fields or {}).get(b"id", b"").decode(errors="replace")
+        rid = request_id_of(claimed.fields)
         log.error("unreadable request entry %s (request %s): %s", claimed.entry_id, rid or "?", reason)
-        await self.redis.xadd(keys.DEAD_LETTER, {"id": rid, "entry": claimed.entry_id, "deliveries": claimed.deliveries, "reason": reason, "at": time.time()})
+        await self.redis.xadd(keys.DEAD_LETTER, dead_letter_entry(rid, entry=claimed.entry_id, deliveries=claimed.deliveries, now=time.time(), reason=reason))
         if not rid:
             await self.redis.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, claimed.entry_id)
             return
@@ -277,11 +277,11 @@ class WorkerLoop:
 
     async def recorded_deltas(self, request_id: str) -> list[StreamDelta]:
         entries: Any = await self.redis.xrange(keys.delta_stream(request_id))
-        return [decode_delta(fields[b"d"]) for _id, fields in entries if b"d" in fields]
+        return deltas_of(entries)
 
     async def dead_letter(self, request: Request, claimed: leases.Claimed) -> None:
         log.error("request %s was delivered %d times; moving it to the dead letters", request.id, claimed.deliveries)
-        await self.redis.xadd(keys.DEAD_LETTER, {"id": request.id, "entry": claimed.entry_id, "deliveries": claimed.deliveries, "at": time.time()})
+        await self.redis.xadd(keys.DEAD_LETTER, dead_letter_entry(request.id, entry=claimed.entry_id, deliveries=claimed.deliveries, now=time.time()))
         error = Error(
             message=f"The request failed {claimed.deliveries - 1} times and was set aside (dead-lettered).",
             kind=ErrorKind.INTERNAL,
@@ -376,7 +376,7 @@ class WorkerLoop:
                 pipe.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, held.entry_id)
                 if outcome is not None:
                     pipe.zrem(keys.INFLIGHT, rid)
-                    pipe.xadd(keys.FINISHED, {"id": rid, "outcome": outcome}, maxlen=100_000, approximate=True)
+                    pipe.xadd(keys.FINISHED, finished_entry(rid, outcome), maxlen=100_000, approximate=True)
                 await pipe.execute()
         self.held.pop(rid, None)
 
