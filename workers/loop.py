@@ -227,6 +227,9 @@ class WorkerLoop:
         except Exception as exc:  # a payload never kills the worker
             await self.unreadable(claimed, exc)
             return
+        if request.id in self.held:  # our own entry, idle past its lease (a long outage): we still run it
+            log.warning("request %s: reclaimed an entry this worker still runs; carrying on with attempt %d", request.id, self.held[request.id].attempt)
+            return
         recorded = await self.recorded_deltas(request.id)
         terminal = next((d for d in recorded if is_terminal(d)), None)
         if terminal is not None:  # an earlier attempt finished it and died before its ack: finish the books only

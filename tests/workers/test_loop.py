@@ -192,6 +192,20 @@ def test_the_loop_sweeps_the_in_flight_set_on_its_own(redis_server: str, monkeyp
     run(redis_server, body)
 
 
+def test_an_entry_this_worker_still_runs_is_not_started_twice_when_its_own_reclaim_takes_it(redis_server: str) -> None:
+    async def body(redis: Redis) -> None:
+        rid = f"own-{time.monotonic_ns()}"
+        await queue(redis, make_request(rid))
+        loop = make_loop(redis, lease_s=0.0)  # every entry is "idle past its lease" at once, as after a long outage
+        await loop.claim(block_ms=None)
+        await loop.reclaim()
+        assert loop.engine.active_ids() == [rid] and (await redis.hget(keys.request_meta(rid), "attempt")) == b"1"
+        await until_done(loop, redis, [rid])
+        assert text(await recorded(redis, rid)) == reply(rid)
+
+    run(redis_server, body)
+
+
 class SlowRunner(ScriptedRunner):
     """A step takes a while, as a real forward does, so a Redis restart lands mid-generation."""
 
