@@ -4,11 +4,12 @@ real default model, driven by the official SDKs.
 - Redis is killed (-9) mid-stream and restarted on the same port: per protocol the client gets the full
   greedy text of an undisturbed run, the worker process is the same one (pid unchanged, model not
   reloaded), and the in-flight set returns to empty.
-- One request that makes every step fail (test-only fault injection) fails alone: its batch mates
-  finish with their full text, and it is delivered once (no redelivery, no dead letter)."""
+- One request that makes every step fail (test-only fault injection) fails alone with one error: its
+  batch mates finish whole, and it is delivered once (no redelivery, no dead letter)."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 
@@ -113,30 +114,40 @@ def test_a_kill_9_and_restart_of_redis_mid_stream_gives_the_full_text_from_the_s
     r.close()
 
 
-def chat(server: LiveServer, prompt: str) -> str:
+def chat(server: LiveServer, prompt: str) -> tuple[str, str, int]:
+    """(text, finish reason, completion tokens) of a non-streamed chat completion."""
     with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=SLOW) as api:
-        reply = api.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0)
-    return reply.choices[0].message.content or ""
+        reply = api.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}], max_tokens=CHAT_TOKENS, temperature=0)
+    assert reply.usage is not None
+    return reply.choices[0].message.content or "", reply.choices[0].finish_reason, reply.usage.completion_tokens
+
+
+CHAT_TOKENS = 12
 
 
 @pytest.mark.timeout(1800)
 def test_a_request_that_fails_every_step_fails_alone_while_its_batch_mates_finish(standalone: tuple[EmbeddedRedis, LiveServer]) -> None:
+    """The mates' text is not compared with a solo run: on the default (hf) path a batch's bf16 numerics
+    depend on its composition, which the isolating re-runs change too. They must finish whole: no error,
+    every token they may generate (a short max_tokens they all reach)."""
     _, server = standalone
-    prompts = [f"Name {n} colours." for n in ("two", "three", "four")]
-    expected = [chat(server, p) for p in prompts]  # each alone, undisturbed
+    prompts = [f"Write a long story about {n} dragons." for n in ("two", "three", "four")]
     r = server.redis()
     started = time.time()
     runs = [in_background(lambda p=p: chat(server, p)) for p in prompts[:1]]  # type: ignore[misc]
-    poisoned, outcome = in_background(lambda: chat(server, f"Say {FAULT}:step please."))
+    poisoned, outcome = in_background(lambda: chat(server, f"Say {FAULT}:step please."))  # type: ignore[arg-type, return-value]
     runs += [in_background(lambda p=p: chat(server, p)) for p in prompts[1:]]  # type: ignore[misc]
     for thread, _ in [*runs, (poisoned, outcome)]:
         thread.join(SLOW)
-    assert [res.get("text") for _, res in runs] == expected
+    for _, res in runs:
+        assert "error" not in res, res
+        text, reason, tokens = res["text"]  # type: ignore[misc]
+        assert text and reason == "length" and tokens == CHAT_TOKENS
     assert isinstance(outcome.get("error"), openai.InternalServerError), outcome
+    assert re.search(r"isolating the failing request\(s\) among [2-9]", server.log())  # it shared a step with mates
     ids = [m.decode() for m in r.zrangebyscore(keys.REQUEST_INDEX, started, "+inf")]
     [poison] = [rid for rid in ids if FAULT.encode() in (r.get(keys.request_ir(rid)) or b"")]
-    assert r.hget(keys.request_meta(poison), "deliveries") == b"1"
+    assert r.hget(keys.request_meta(poison), "deliveries") == b"1"  # delivered once: no redelivery, no dead letter
     assert not [f for _, f in r.xrange(keys.DEAD_LETTER) if f.get(b"id", b"").decode() == poison]
-    assert r.zcard(keys.INFLIGHT) == 0
+    wait_for("the in-flight set to empty", lambda: r.zcard(keys.INFLIGHT) == 0, timeout=30)
     r.close()
-
