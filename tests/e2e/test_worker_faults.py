@@ -122,7 +122,7 @@ def chat(server: LiveServer, prompt: str) -> tuple[str, str, int]:
     return reply.choices[0].message.content or "", reply.choices[0].finish_reason, reply.usage.completion_tokens
 
 
-CHAT_TOKENS = 12
+CHAT_TOKENS = 32
 
 
 @pytest.mark.timeout(1800)
@@ -134,9 +134,9 @@ def test_a_request_that_fails_every_step_fails_alone_while_its_batch_mates_finis
     prompts = [f"Write a long story about {n} dragons." for n in ("two", "three", "four")]
     r = server.redis()
     started = time.time()
-    runs = [in_background(lambda p=p: chat(server, p)) for p in prompts[:1]]  # type: ignore[misc]
+    runs = [in_background(lambda p=p: chat(server, p)) for p in prompts]  # type: ignore[misc]
+    wait_for("the mates to be decoding", lambda: len(mates := r.zrangebyscore(keys.REQUEST_INDEX, started, "+inf")) == 3 and all(r.xlen(keys.delta_stream(m.decode())) >= 2 for m in mates), timeout=SLOW)
     poisoned, outcome = in_background(lambda: chat(server, f"Say {FAULT}:step please."))  # type: ignore[arg-type, return-value]
-    runs += [in_background(lambda p=p: chat(server, p)) for p in prompts[1:]]  # type: ignore[misc]
     for thread, _ in [*runs, (poisoned, outcome)]:
         thread.join(SLOW)
     for _, res in runs:
