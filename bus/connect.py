@@ -44,12 +44,13 @@ def is_cluster(redis: Any) -> bool:
     return isinstance(redis, RedisCluster)
 
 
-def connect(url: str) -> Redis:
+def connect(url: str, **options: Any) -> Redis:
     """An asyncio client for `url`: a cluster client for a `+cluster` URL (`--redis-cluster` turns a
-    plain URL into one: shared.settings.Settings.cluster_url)."""
+    plain URL into one: shared.settings.Settings.cluster_url). `options` go to either client (e.g. the
+    worker's `retry` and `socket_connect_timeout`)."""
     if not is_cluster_url(url):
-        return Redis.from_url(url)
-    return cast(Redis, RedisCluster(**cluster_options(url)))
+        return Redis.from_url(url, **options)
+    return cast(Redis, RedisCluster(**cluster_options(url), **options))
 
 
 def cluster_options(url: str) -> dict[str, Any]:

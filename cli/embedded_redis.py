@@ -63,8 +63,9 @@ def server_binary() -> str:
 
 
 class EmbeddedRedis:
-    def __init__(self, data_dir: str, *, port: int | None = None) -> None:
+    def __init__(self, data_dir: str, *, port: int | None = None, appendfsync: str = "everysec") -> None:
         self.dir = Path(data_dir) / "redis"
+        self.appendfsync = appendfsync  # "always": a kill -9 of Redis loses no acknowledged write (tests)
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -77,6 +78,7 @@ class EmbeddedRedis:
             "--bind", "127.0.0.1",
             "--dir", str(self.dir),
             "--appendonly", "yes",
+            "--appendfsync", self.appendfsync,
             "--save", "",
             "--maxmemory-policy", "noeviction",
             "--protected-mode", "yes",

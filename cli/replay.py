@@ -78,7 +78,7 @@ async def replay_through_redis(redis: Redis, record: DumpRecord, target: ReplayT
     """Publish the recorded IR under a fresh id (received now, so its deadline starts now) and collect its deltas."""
     request = replace(record.request, id=secrets.token_hex(12), created=time.time())
     end = time.monotonic() + target.timeout
-    while not await admit(redis, 1, target.max_queue):
+    while not await admit(redis, [request.id], target.max_queue, request_timeout=target.timeout):
         if time.monotonic() > end:
             raise TimeoutError(f"the queue stayed at its limit ({target.max_queue}) for {target.timeout:.0f} s")
         await asyncio.sleep(0.5)

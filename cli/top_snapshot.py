@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 from cli.top_batches import BatchView, take_batches
 from ingest.publish import cancel as set_cancel_flag
 from shared import keys
-from shared.codec import CodecError, decode_delta, decode_request
+from shared.codec import ID_FIELD, CodecError, Meta, decode_request, delta_of
 from shared.deltas import Content, Error, Finish
 from shared.ir import TextPart
 from shared.settings import Settings
@@ -59,7 +59,7 @@ class WorkerView:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QueueView:
-    inflight: int  # accepted and unfinished, cluster-wide (met:inflight)
+    inflight: int  # accepted and unfinished, cluster-wide (met:inflight:ids, its size)
     pending: int  # delivered to a worker, not yet acknowledged
     undelivered: int  # on the stream, not yet read by any worker
     undelivered_estimated: bool  # Redis < 7 has no `lag`: inflight - pending instead
@@ -180,7 +180,7 @@ async def take_snapshot(redis: Redis, *, heartbeat_ttl: float) -> Snapshot:
     async with redis.pipeline(transaction=False) as pipe:
         pipe.time()
         pipe.zrange(keys.WORKERS_ALIVE, 0, -1, withscores=True)
-        pipe.get(keys.INFLIGHT)
+        pipe.zcard(keys.INFLIGHT)
         pipe.xinfo_groups(keys.REQUEST_STREAM)
         pipe.xpending(keys.REQUEST_STREAM, keys.WORKER_GROUP)
         pipe.zrevrange(keys.REQUEST_INDEX, 0, INDEX_WINDOW - 1)
@@ -206,7 +206,7 @@ async def take_snapshot(redis: Redis, *, heartbeat_ttl: float) -> Snapshot:
     first_undelivered = second[-1] if last_delivered else None
 
     readable = [(rid, _text_map(m)) for rid, m in zip(recent_ids, metas, strict=True)]
-    active_metas = [(rid, m) for rid, m in readable if m.get("status") in ACTIVE_STATUSES][:MAX_ACTIVE]
+    active_metas = [(rid, m) for rid, m in readable if m.get(Meta.STATUS) in ACTIVE_STATUSES][:MAX_ACTIVE]
     async with redis.pipeline(transaction=False) as pipe:
         for rid, _meta in active_metas:
             pipe.xrange(keys.delta_stream(rid))
@@ -278,16 +278,16 @@ def _queue(
 
 def _active(rid: str, meta: Mapping[str, str], entries: list[Any], now: float) -> ActiveRequest:
     tokens = sum(len(_token_ids(d)) for d in _deltas(entries))
-    first = _float(meta, "first_token_at", default=0.0)
+    first = _float(meta, Meta.FIRST_TOKEN_AT, default=0.0)
     span = now - first if first else 0.0
     return ActiveRequest(
         id=rid,
-        status=meta.get("status", "?"),
-        protocol=meta.get("protocol", "?"),
-        model=meta.get("model", "?"),
-        worker=meta.get("worker", ""),
+        status=meta.get(Meta.STATUS, "?"),
+        protocol=meta.get(Meta.PROTOCOL, "?"),
+        model=meta.get(Meta.MODEL, "?"),
+        worker=meta.get(Meta.WORKER, ""),
         client=meta.get("client", ""),
-        age=max(0.0, now - _float(meta, "received_at", default=now)),
+        age=max(0.0, now - _float(meta, Meta.RECEIVED_AT, default=now)),
         tokens=tokens,
         tokens_per_s=tokens / span if span > 0.5 else 0.0,
     )
@@ -297,9 +297,9 @@ def _errors(entries: list[Any], now: float) -> Iterable[Problem]:
     shown = 0
     for entry_id, raw in entries:
         fields = _text_map(raw)
-        if not fields.get("outcome", "").startswith("error"):
+        if not fields.get(Meta.OUTCOME, "").startswith("error"):
             continue
-        yield Problem(kind="error", request_id=fields.get("id", "?"), detail=fields["outcome"], age=_entry_age(entry_id, now))
+        yield Problem(kind="error", request_id=fields.get(ID_FIELD, "?"), detail=fields[Meta.OUTCOME], age=_entry_age(entry_id, now))
         shown += 1
         if shown == SHOWN_PROBLEMS:
             return
@@ -358,15 +358,15 @@ def _prompt_head(raw_ir: Any, limit: int = 600) -> str:
 
 
 def _timings(meta: Mapping[str, str], now: float) -> tuple[tuple[str, float | None], ...]:
-    received = _float(meta, "received_at", default=0.0)
+    received = _float(meta, Meta.RECEIVED_AT, default=0.0)
 
     def since(name: str) -> float | None:
         at = _float(meta, name, default=0.0)
         return at - received if at and received else None
 
-    finished = _float(meta, "finished_at", default=0.0)
+    finished = _float(meta, Meta.FINISHED_AT, default=0.0)
     total = (finished or now) - received if received else None
-    return (("queued for", since("claimed_at")), ("first token after", since("first_token_at")), ("total", total))
+    return (("queued for", since(Meta.CLAIMED_AT)), ("first token after", since(Meta.FIRST_TOKEN_AT)), ("total", total))
 
 
 # ---- decoding helpers ---------------------------------------------------------------------------
@@ -409,13 +409,12 @@ def _our_group(groups: Any) -> dict[str, Any] | None:
 
 def _deltas(entries: list[Any]) -> Iterable[Any]:
     for _entry_id, raw in entries:
-        payload = raw.get(b"d", raw.get("d"))
-        if payload is None:
-            continue
         try:
-            yield decode_delta(payload)
+            delta = delta_of(raw)
         except (CodecError, ValueError, KeyError, TypeError):
             continue
+        if delta is not None:
+            yield delta
 
 
 def _token_ids(delta: Any) -> tuple[int, ...]:

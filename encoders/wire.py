@@ -37,7 +37,7 @@ from redis.exceptions import RedisError
 from encoders.fan_in import Tagged, is_last, tag_terminal
 from encoders.frames import Frame
 from shared import keys
-from shared.codec import decode_delta
+from shared.codec import delta_of
 from shared.deltas import Error, ErrorKind, StreamDelta, is_terminal
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,9 @@ async def tail(
         for _stream, entries in reply:
             for entry_id, fields in entries:
                 last = entry_id
-                if b"d" not in fields:
+                delta = delta_of(fields)
+                if delta is None:
                     continue  # the marker that created the stream
-                delta = decode_delta(fields[b"d"])
                 yield delta
                 if is_terminal(delta):
                     return

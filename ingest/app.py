@@ -44,7 +44,7 @@ from ingest.context import ContextPolicy, fit_max_tokens
 from ingest.errors import error_body, failure, status_for
 from ingest.limits import RateLimiter, parse_json, read_body
 from ingest.metrics import CONTENT_TYPE, Metrics
-from ingest.publish import admit, cancel, release, submit
+from ingest.publish import admit, cancel, submit_all
 from ingest.responses_store import Saver
 from models.prompt import PromptRenderer
 from shared import keys
@@ -116,7 +116,7 @@ class Api:
     async def publish(self, parts: list[Request]) -> None:
         """Admit (queue depth) and XADD every part of a request, or refuse before anything is queued."""
         try:
-            if not await admit(self.redis, len(parts), self.settings.max_queue):
+            if not await admit(self.redis, [p.id for p in parts], self.settings.max_queue, request_timeout=self.settings.request_timeout):
                 raise ApiError(
                     f"The server is at its queue limit ({self.settings.max_queue} requests); retry shortly.",
                     status=429,
@@ -124,12 +124,7 @@ class Api:
                     code="queue_full",
                     retry_after=1.0,
                 )
-            try:
-                for part in parts:
-                    await submit(self.redis, part)
-            except RedisError:
-                await release(self.redis, len(parts))
-                raise
+            await submit_all(self.redis, parts)
         except RedisError as exc:
             log.error("redis unavailable: %s", type(exc).__name__)
             raise ApiError("The request queue is unavailable; try again shortly.", status=503, kind="unavailable", code="queue_unavailable") from None

@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 from ingest import batch_jobs, files
 from ingest.publish import cancel, is_queued, submit_batch_line
 from shared import keys
-from shared.codec import decode_delta
+from shared.codec import delta_of, deltas_of
 from shared.deltas import Finish, StreamDelta, is_terminal
 from shared.errors import ApiError
 from shared.ir import Request
@@ -157,10 +157,10 @@ class BatchDispatcher:
                 pipe.xrevrange(keys.delta_stream(rid), count=1)
             lasts = await pipe.execute()
         for rid, last in zip(rids, lasts, strict=True):
-            if not last or b"d" not in last[0][1] or not is_terminal(decode_delta(last[0][1][b"d"])):
+            if not last or (ended := delta_of(last[0][1])) is None or not is_terminal(ended):
                 continue
             entries: Any = await self.redis.xrange(keys.delta_stream(rid))
-            deltas = [decode_delta(f[b"d"]) for _id, f in entries if b"d" in f]
+            deltas = deltas_of(entries)
             cid = job.inflight.pop(rid)
             line = job.lines[cid]
             request = job.requests.pop(rid, None) or self.runner.request(doc, line, rid)  # queued by an earlier dispatcher: the same parse

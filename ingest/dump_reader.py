@@ -15,7 +15,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from shared import keys
-from shared.codec import decode_delta, decode_request
+from shared.codec import decode_request, deltas_of
 from shared.dumps import DumpRecord, display_status, parse_meta
 
 PAGE = 200
@@ -32,7 +32,7 @@ async def load_record(redis: Redis, request_id: str) -> DumpRecord | None:
     if raw_request is None:
         return None
     # The stream's creation marker (no `d` field) is trimmed at once, but skip anything without a delta.
-    deltas = tuple(decode_delta(fields[b"d"]) for _entry_id, fields in entries if b"d" in fields)
+    deltas = tuple(deltas_of(entries))
     return DumpRecord(id=request_id, request=decode_request(raw_request), deltas=deltas, meta=parse_meta(raw_meta))
 
 

@@ -32,6 +32,7 @@ from redis.exceptions import RedisError
 
 from ingest.request_log import RequestTiming, log_finished
 from shared import keys
+from shared.codec import Meta
 from shared.deltas import Error, Finish, StreamDelta, is_terminal
 from shared.ir import Request
 
@@ -85,7 +86,7 @@ async def read_cluster(redis: Redis, *, heartbeat_ttl: float) -> ClusterFigures:
         async with redis.pipeline(transaction=False) as pipe:
             for worker in alive:
                 pipe.hmget(keys.worker_info(_text(worker)), _WORKER_FIELDS)
-            pipe.get(keys.INFLIGHT)
+            pipe.zcard(keys.INFLIGHT)
             pipe.xlen(keys.DEAD_LETTER)
             *hashes, inflight, dead = await pipe.execute()
     except RedisError as exc:
@@ -200,7 +201,7 @@ class Metrics:
         if isinstance(delta, Error) and delta.attempt == 0:
             return  # synthesized by the API (deadline): no worker claimed it
         try:
-            received, claimed = await self.redis.hmget(keys.request_meta(request.id), ["received_at", "claimed_at"])
+            received, claimed = await self.redis.hmget(keys.request_meta(request.id), [Meta.RECEIVED_AT, Meta.CLAIMED_AT])
         except RedisError:
             return
         if received is not None and claimed is not None:

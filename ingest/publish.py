@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
+from redis.exceptions import RedisError
 
 from bus.connect import is_cluster
 from shared import keys
-from shared.codec import VERSION, encode_request
+from shared.codec import QUEUED, STREAM_MARKER, Meta, encode_request, request_entry
 from shared.ir import Request
 
 CANCEL_TTL = 3600
@@ -48,13 +50,13 @@ async def submit_batch_line(redis: Redis, request: Request) -> None:
         encoded = encode_request(request)
         await _record(redis, request, b"")
         async with redis.pipeline(transaction=False) as pipe:
-            pipe.incrby(keys.INFLIGHT, 1)
+            pipe.zadd(keys.INFLIGHT, {request.id: time.time()})
             _enqueue(pipe, request, encoded)
             await pipe.execute()
         await redis.set(keys.request_ir(request.id), encoded)
         return
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.incrby(keys.INFLIGHT, 1)
+        pipe.zadd(keys.INFLIGHT, {request.id: time.time()})
         _queue(pipe, request)
         await pipe.execute()
 
@@ -68,24 +70,23 @@ def _queue(pipe: Pipeline, request: Request) -> None:
     now = time.time()
     deltas = keys.delta_stream(request.id)
     pipe.set(keys.request_ir(request.id), encoded)
-    pipe.hset(
-        keys.request_meta(request.id),
-        mapping={"status": "queued", "protocol": request.protocol.value, "model": request.model, "endpoint": request.endpoint, "received_at": now},
-    )
-    pipe.xadd(deltas, {"created": b"1"}, id="0-1")
+    meta = {Meta.STATUS: QUEUED, Meta.PROTOCOL: request.protocol.value, Meta.MODEL: request.model, Meta.ENDPOINT: request.endpoint, Meta.RECEIVED_AT: now}
+    pipe.hset(keys.request_meta(request.id), mapping=meta)  # type: ignore[arg-type]
+    pipe.xadd(deltas, STREAM_MARKER, id="0-1")
     pipe.xtrim(deltas, maxlen=0, approximate=False)
     pipe.zadd(keys.REQUEST_INDEX, {request.id: now})
-    pipe.xadd(keys.REQUEST_STREAM, {"v": VERSION, "id": request.id, "req": encoded})
+    pipe.xadd(keys.REQUEST_STREAM, request_entry(request, encoded))
 
 
 # The request's own keys, one slot (cluster path): KEYS ir, meta, deltas; ARGV encoded IR ('' = not
 # yet), protocol, model, endpoint, now. Creates the empty delta stream once (an empty stream stays a key).
-_RECORD = """
+_MARKER_FIELD, _MARKER_VALUE = (str(v.decode() if isinstance(v, bytes) else v) for v in next(iter(STREAM_MARKER.items())))
+_RECORD = f"""
 if redis.call('EXISTS', KEYS[3]) == 0 then
-  redis.call('XADD', KEYS[3], '0-1', 'created', '1')
+  redis.call('XADD', KEYS[3], '0-1', '{_MARKER_FIELD}', '{_MARKER_VALUE}')
   redis.call('XTRIM', KEYS[3], 'MAXLEN', 0)
 end
-redis.call('HSET', KEYS[2], 'status', 'queued', 'protocol', ARGV[2], 'model', ARGV[3], 'endpoint', ARGV[4], 'received_at', ARGV[5])
+redis.call('HSET', KEYS[2], '{Meta.STATUS}', '{QUEUED}', '{Meta.PROTOCOL}', ARGV[2], '{Meta.MODEL}', ARGV[3], '{Meta.ENDPOINT}', ARGV[4], '{Meta.RECEIVED_AT}', ARGV[5])
 if ARGV[1] ~= '' then redis.call('SET', KEYS[1], ARGV[1]) end
 return 1
 """
@@ -99,25 +100,43 @@ async def _record(redis: Redis, request: Request, encoded: bytes) -> None:
 def _enqueue(pipe: Any, request: Request, encoded: bytes) -> None:
     """The global half of a submit (cluster path): the index and the request stream."""
     pipe.zadd(keys.REQUEST_INDEX, {request.id: time.time()})
-    pipe.xadd(keys.REQUEST_STREAM, {"v": VERSION, "id": request.id, "req": encoded})
+    pipe.xadd(keys.REQUEST_STREAM, request_entry(request, encoded))
 
 
-# Atomically: refuse (-1) when admitting ARGV[1] more requests would pass the limit ARGV[2].
+# Atomically: drop ids admitted before ARGV[2] (older than any request lives), then refuse (-1) when admitting
+# the ids ARGV[4..] would pass the limit ARGV[1]; else add them with score ARGV[3] (now) and return the size.
 _ADMIT = """
-local n = tonumber(redis.call('GET', KEYS[1]) or '0')
-if n + tonumber(ARGV[1]) > tonumber(ARGV[2]) then return -1 end
-return redis.call('INCRBY', KEYS[1], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[2])
+if redis.call('ZCARD', KEYS[1]) + #ARGV - 3 > tonumber(ARGV[1]) then return -1 end
+for i = 4, #ARGV do redis.call('ZADD', KEYS[1], ARGV[3], ARGV[i]) end
+return redis.call('ZCARD', KEYS[1])
 """
+LIFETIME_MARGIN_S = 120.0  # past the request timeout: queue and clock slack before an id is surely stale
 
 
-async def admit(redis: Redis, count: int, limit: int) -> bool:
-    """Reserve `count` places in the queue; False when the queue is full."""
-    result = await redis.eval(_ADMIT, 1, keys.INFLIGHT, count, limit)
+async def admit(redis: Redis, request_ids: list[str], limit: int, *, request_timeout: float) -> bool:
+    """Reserve a place in the queue for each id; False when the queue is full."""
+    now = time.time()
+    result = await redis.eval(_ADMIT, 1, keys.INFLIGHT, limit, now - request_timeout - LIFETIME_MARGIN_S, now, *request_ids)
     return int(result) >= 0
 
 
-async def release(redis: Redis, count: int) -> None:
-    await redis.decrby(keys.INFLIGHT, count)
+async def release(redis: Redis, request_ids: list[str]) -> None:
+    if request_ids:
+        await redis.zrem(keys.INFLIGHT, *request_ids)
+
+
+async def submit_all(redis: Redis, parts: list[Request]) -> None:
+    """`submit` each admitted part; on a Redis error give back the places of the parts not tried (best
+    effort: what a failing Redis keeps, the sweep finds), and raise. The part that failed keeps its place:
+    it may have been queued (a lost reply), and if not, the sweep removes it (its request never appears)."""
+    for i, part in enumerate(parts):
+        try:
+            await submit(redis, part)
+        except RedisError:
+            with contextlib.suppress(RedisError):
+                await release(redis, [p.id for p in parts[i + 1 :]])
+            raise
 
 
 async def cancel(redis: Redis, request_id: str, *, by_operator: bool = False) -> None:

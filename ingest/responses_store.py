@@ -25,7 +25,7 @@ from encoders.openai_responses import ResponseAccumulator, response_id
 from ingest.openai_responses import previous_response_id, store_flag
 from ingest.publish import cancel
 from shared import keys
-from shared.codec import VERSION, decode_delta, decode_request, message_from_dict, message_to_dict
+from shared.codec import VERSION, decode_request, deltas_of, message_from_dict, message_to_dict
 from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart, is_terminal
 from shared.errors import ApiError
 from shared.ir import Message, Request, Role, TextPart, ToolCall, ToolKind, custom_tools
@@ -89,7 +89,7 @@ async def live(redis: Redis, response_id: str) -> tuple[Request, list[StreamDelt
     if request.protocol.value != "openai_responses" or not store_flag(body if isinstance(body, dict) else {}):
         return None
     entries: Any = await redis.xrange(keys.delta_stream(rid))
-    return request, [decode_delta(fields[b"d"]) for _id, fields in entries if b"d" in fields]
+    return request, deltas_of(entries)
 
 
 def body_of(request: Request, deltas: list[StreamDelta]) -> dict[str, Any]:

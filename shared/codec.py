@@ -1,11 +1,14 @@
 """The versioned JSON codec: the only code that knows field names on the wire (Redis entries, dumps).
 
-Owns: bytes <-> `Request` and bytes <-> `StreamDelta`. Payloads are data, never code: orjson with a
+Owns: bytes <-> `Request` and bytes <-> `StreamDelta`; the fields of every Redis entry and of the request
+meta hash (`delta_entry` / `delta_of`, `request_entry` / `request_of`, `Meta`, the finished feed and the
+dead letters). Imports no redis: callers pass the mappings redis-py returns (bytes or str keys). Payloads are data, never code: orjson with a
 `v` field; no pickle. Decoders reject a newer major version instead of guessing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -210,3 +213,85 @@ def message_from_dict(doc: dict[str, Any]) -> Message:
         sealed_reasoning=tuple((str(t), str(b)) for t, b in doc.get("sealed_reasoning", ())),
         is_error=bool(doc.get("is_error", False)),
     )
+
+
+# ---- Redis entries and hashes: every field name on the wire ------------------------------------------
+
+DELTA_FIELD = "d"  # a delta stream entry: {d: encoded StreamDelta} (workers.leases' script writes it)
+STREAM_MARKER: dict[Any, Any] = {"created": b"1"}  # the entry ingest creates a delta stream with (at 0-1, trimmed at once)
+REQUEST_FIELD = "req"  # a request stream entry: {v, id, req: encoded Request}
+ID_FIELD = "id"  # the request id, on request stream, finished feed and dead-letter entries
+
+
+class Meta:
+    """Fields of a request's meta hash (shared.keys.request_meta); every value is a string on the wire.
+    Written by ingest.publish (status queued .. received_at), workers.leases (status running .. emitted;
+    the fenced script: first_token_at, status finished .. batch_max); read by dumps, the TUI, admission."""
+
+    STATUS = "status"  # queued | running | finished (the values below)
+    PROTOCOL = "protocol"
+    MODEL = "model"
+    ENDPOINT = "endpoint"
+    RECEIVED_AT = "received_at"
+    ATTEMPT = "attempt"  # the fencing token: bumped by each claim
+    WORKER = "worker"
+    CLAIMED_AT = "claimed_at"
+    DELIVERIES = "deliveries"
+    EMITTED = "emitted"  # deltas the current attempt has written (a resend skips them)
+    FIRST_TOKEN_AT = "first_token_at"
+    OUTCOME = "outcome"  # a FinishReason value, or error:<kind>
+    FINISHED_AT = "finished_at"
+    BATCH_MAX = "batch_max"
+
+
+QUEUED, RUNNING, FINISHED = "queued", "running", "finished"  # Meta.STATUS values
+
+
+def _field(fields: Mapping[Any, Any], name: str) -> Any:
+    return fields.get(name.encode(), fields.get(name))
+
+
+def delta_entry(delta: StreamDelta) -> dict[Any, Any]:
+    return {DELTA_FIELD: encode_delta(delta)}
+
+
+def delta_of(fields: Mapping[Any, Any]) -> StreamDelta | None:
+    """The delta in a delta stream entry; None for the stream's creation marker."""
+    raw = _field(fields, DELTA_FIELD)
+    return None if raw is None else decode_delta(raw)
+
+
+def deltas_of(entries: Iterable[tuple[Any, Mapping[Any, Any]]]) -> list[StreamDelta]:
+    """The deltas of XRANGE entries, in order (markers skipped)."""
+    return [d for _id, fields in entries if (d := delta_of(fields)) is not None]
+
+
+def request_entry(request: Request, encoded: bytes | None = None) -> dict[Any, Any]:
+    return {"v": VERSION, ID_FIELD: request.id, REQUEST_FIELD: encoded if encoded is not None else encode_request(request)}
+
+
+def request_of(fields: Mapping[Any, Any]) -> Request:
+    """The request in a request stream entry (CodecError when it has none)."""
+    raw = _field(fields, REQUEST_FIELD)
+    if raw is None:
+        raise CodecError("a request entry without its request")
+    return decode_request(raw)
+
+
+def request_id_of(fields: Mapping[Any, Any] | None) -> str:
+    """The request id an entry names ("" when none): request stream, finished feed, dead letters."""
+    raw = _field(fields or {}, ID_FIELD)
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw or "")
+
+
+def finished_entry(request_id: str, outcome: str) -> dict[Any, Any]:
+    """An entry of the finished feed (shared.keys.FINISHED)."""
+    return {ID_FIELD: request_id, Meta.OUTCOME: outcome}
+
+
+def dead_letter_entry(request_id: str, *, entry: str, deliveries: int, now: float, reason: str = "") -> dict[Any, Any]:
+    """An entry of the dead letters (shared.keys.DEAD_LETTER)."""
+    doc: dict[Any, Any] = {ID_FIELD: request_id, "entry": entry, "deliveries": deliveries, "at": now}
+    if reason:
+        doc["reason"] = reason
+    return doc

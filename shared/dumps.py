@@ -18,13 +18,14 @@ from typing import Any
 import orjson
 
 from shared import codec
+from shared.codec import Meta
 from shared.deltas import Content, Error, Finish, Reasoning, Refusal, StreamDelta, ToolCallArgs, ToolCallStart, is_terminal
 from shared.ir import Protocol, Request
 from shared.redact import REDACTED, is_secret, redact
 
 DUMP_VERSION = 1
-FLOAT_META = ("received_at", "claimed_at", "first_token_at", "finished_at")
-INT_META = ("attempt", "batch_max")
+FLOAT_META = (Meta.RECEIVED_AT, Meta.CLAIMED_AT, Meta.FIRST_TOKEN_AT, Meta.FINISHED_AT)
+INT_META = (Meta.ATTEMPT, Meta.BATCH_MAX)
 CONTEXT_CHARS = 60  # characters of text shown on each side of a divergence
 
 
@@ -40,7 +41,7 @@ class DumpRecord:
     @property
     def outcome(self) -> str | None:
         """The worker's outcome (`stop`, `length`, `cancelled`, `error:<kind>`...), or None while unfinished."""
-        recorded = self.meta.get("outcome")
+        recorded = self.meta.get(Meta.OUTCOME)
         if recorded:
             return str(recorded)
         return terminal_label(self.deltas) if self.deltas and is_terminal(self.deltas[-1]) else None
@@ -97,8 +98,8 @@ def parse_meta(raw: Mapping[Any, Any]) -> dict[str, Any]:
 
 def display_status(meta: Mapping[str, Any]) -> str:
     """queued / running / finished / error / cancelled (a finished request split by its outcome), or `expired`."""
-    status = str(meta.get("status") or "expired")
-    outcome = str(meta.get("outcome") or "")
+    status = str(meta.get(Meta.STATUS) or "expired")
+    outcome = str(meta.get(Meta.OUTCOME) or "")
     if status == "finished" and outcome.startswith("error"):
         return "error"
     if status == "finished" and outcome == "cancelled":

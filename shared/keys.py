@@ -14,10 +14,14 @@ PREFIX = "met"
 REQUEST_STREAM = f"{PREFIX}:requests"
 WORKER_GROUP = f"{PREFIX}:workers"
 
-# Accepted-but-unfinished requests, cluster-wide (the queue depth admission checks). Writers: ingest.publish
-# (INCRBY on admission, under a Lua check against the limit), workers.loop (DECR with each terminal event).
-# Readers: ingest admission, the TUI, /metrics.
-INFLIGHT = f"{PREFIX}:inflight"
+# Accepted-but-unfinished requests, cluster-wide (the queue depth admission checks): a sorted set of request
+# ids, score = admission time (unix). A set of ids, not a counter, so that it heals itself: taking an id out
+# twice is harmless, and what a lost write leaks is found and removed (workers.leases.sweep_inflight: ids
+# whose request finished, or never reached Redis; ids older than the longest a request lives go on admission).
+# Writers: ingest.publish (ZADD on admission, under a Lua check against the limit; ZREM of parts never queued),
+# workers.loop (ZREM with each terminal event), workers.leases.sweep_inflight. Readers: ingest admission
+# (ZCARD), the TUI, /metrics.
+INFLIGHT = f"{PREFIX}:inflight:ids"
 
 # Every accepted request, by time received (score: unix time). Writer: ingest.publish. Pruner: workers.loop
 # (entries older than the dump TTL). Readers: `met dump list`, the TUI.

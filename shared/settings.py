@@ -53,6 +53,7 @@ class Settings:
     drain_timeout: float = 30.0  # on SIGTERM, seconds a worker may spend finishing in-flight requests
     max_deliveries: int = 3  # a request delivered this many times without finishing goes to the dead letters
     crash_on: str = ""  # fault injection for recovery tests: a worker exits hard on a prompt containing this (only with <data_dir>/ENABLE_FAULT_INJECTION)
+    fail_on: str = ""  # fault injection likewise: engine.add raises on "<fail_on>:add", a step raises while it runs "<fail_on>:step" (workers.faults)
     api_keys: str = ""  # comma-separated API keys; empty with no keys file = no auth
     api_keys_file: str = ""  # one key per line
     rate_limit_rpm: int = 0  # requests per minute per key (0 = unlimited), shared across API nodes

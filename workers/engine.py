@@ -16,6 +16,7 @@ request finishes at once (STOP), without spending a step on the EOS the mask wou
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,10 @@ from workers.reasoning import Channel, ReasoningSpan
 from workers.scheduler import Sampled, Scheduler, Sequence, StepPlan
 from workers.tool_parsers import ToolParser
 from workers.tools import make_parser
+
+log = logging.getLogger(__name__)
+FAILED_STEP = "The worker failed while generating this response."
+FAILED_ADD = "The worker could not start this request."
 
 # (prompt ids, top k) → for positions 1..L-1: (logprob, top (id, logprob) pairs); workers/prompt_logprobs.py
 PromptScorer = Callable[[list[int], int], list[tuple[float, tuple[tuple[int, float], ...]]]]
@@ -211,6 +216,34 @@ class Engine:
     def active_ids(self) -> list[str]:
         return list(self._seqs)
 
+    def figures(self) -> dict[str, float | int]:
+        """The engine's figures for the heartbeat, read where no step runs (the step thread hands them
+        over with its emissions): a heartbeat on its own timer never reads the engine's tables."""
+        stats, sched, runner, grammars = self.stats, self.scheduler, self.runner, self.grammars
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "active": len(self._seqs),
+            "batch_peak": stats.batch_peak,
+            "last_batch": stats.last_batch,
+            "steps": stats.steps,
+            "prefill_tokens": stats.prefill_tokens,
+            "decode_tokens": stats.decode_tokens,
+            "step_ms": round(stats.last_step_s * 1000, 2),
+            "mask_ms_total": round(getattr(runner, "mask_s", 0.0) * 1000, 3),  # grammar masks (constrained rows only)
+            "masked_steps": getattr(runner, "masked_steps", 0),
+            "masked_rows": getattr(runner, "masked_rows", 0),
+            "grammar_compiles": grammars.compiles if grammars is not None else 0,
+            "grammar_cache_hits": grammars.hits if grammars is not None else 0,
+            "kv_used_tokens": sched.pool.num_used * sched.pool.block_size,
+            "kv_total_tokens": sched.pool.num_tokens,
+            "kv_blocks_used": sched.pool.num_used,
+            "prefix_cache_queries": sched.pool.queries,
+            "prefix_cache_hits": sched.pool.hits,
+            "running_peak": sched.running_peak,
+            "preemptions": sched.preemptions,
+        }
+
     def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> list[Emission]:
         seq = self._seqs.get(request_id)
         if seq is None:
@@ -231,12 +264,44 @@ class Engine:
         if plan.empty:
             return emissions
         started = time.perf_counter()
-        sampled = self.runner.execute(plan)
-        self.scheduler.advance(plan)
-        for s in sampled:
-            emissions.extend(self._append(s))
+        try:
+            done = [(plan, self.runner.execute(plan))]
+        except Exception as exc:
+            done, failed = self._isolate(plan, exc)
+            emissions.extend(self._fail(seq, FAILED_STEP, kind=ErrorKind.INTERNAL) for seq in failed)
+        for part, sampled in done:
+            self.scheduler.advance(part)
+            for s in sampled:
+                if s.seq.key in self._seqs:
+                    emissions.extend(self._append_alone(s))
         self._record(plan, time.perf_counter() - started)
         return emissions
+
+    def _isolate(self, plan: StepPlan, exc: Exception) -> tuple[list[tuple[StepPlan, list[Sampled]]], list[Sequence]]:
+        """A step that raised: bisect its sequences, re-running each half, until every failing part is one
+        sequence. Those fail alone; the rest get the tokens their re-run sampled. Re-running is safe: a
+        step writes each KV position it computes (the same values again) and samples per position.
+        Costs about 2·log2(batch) extra forwards per failing sequence, only on the step that failed."""
+        log.warning("engine step failed (%s: %s); isolating the failing request(s) among %d", type(exc).__name__, exc, len(_members(plan)))
+        done: list[tuple[StepPlan, list[Sampled]]] = []
+        failed: list[Sequence] = []
+        parts: list[tuple[StepPlan, bool]] = [(plan, True)]  # (part, known to fail)
+        while parts:
+            part, fails = parts.pop()
+            members = _members(part)
+            if not fails:
+                try:
+                    done.append((part, self.runner.execute(part)))
+                    continue
+                except Exception:
+                    pass
+            if len(members) == 1:
+                log.error("request %s fails the step on its own; ending it with an error", members[0].key)
+                failed.append(members[0])
+                continue
+            half = len(members) // 2
+            parts.extend(((_subplan(part, members[:half]), False), (_subplan(part, members[half:]), False)))
+        return done, failed
 
     def _record(self, plan: StepPlan, seconds: float) -> None:
         s = self.stats
@@ -251,6 +316,14 @@ class Engine:
         now = self.clock()
         late = [s for s in self._seqs.values() if s.request.created and now - s.request.created > self.request_timeout]
         return [self._finish(s, FinishReason.TIMEOUT) for s in late]
+
+    def _append_alone(self, sampled: Sampled) -> list[Emission]:
+        """`_append`, where a failure (a parser's bug on this one request's text) ends only this request."""
+        try:
+            return self._append(sampled)
+        except Exception:
+            log.exception("request %s: turning its token into deltas failed; ending it with an error", sampled.seq.key)
+            return [self._fail(sampled.seq, FAILED_STEP, kind=ErrorKind.INTERNAL)] if sampled.seq.key in self._seqs else []
 
     def _append(self, sampled: Sampled) -> list[Emission]:
         seq, token = sampled.seq, sampled.token
@@ -346,10 +419,10 @@ class Engine:
         self._seal(seq, out)  # a span the finish cut short is sealed as far as it got
         self._emit_text(seq, text, out, final=True)
 
-    def _fail(self, seq: Sequence, message: str) -> Emission:
-        """End one request with an Error (its constraint failed); the batch goes on."""
+    def _fail(self, seq: Sequence, message: str, *, kind: ErrorKind = ErrorKind.INVALID_REQUEST) -> Emission:
+        """End one request with an Error (its constraint failed, or it alone fails the step); the batch goes on."""
         self._finish(seq, FinishReason.CANCELLED)
-        return Emission(seq.key, Error(message=message, kind=ErrorKind.INVALID_REQUEST, attempt=seq.attempt), batch_max=seq.batch_max)
+        return Emission(seq.key, Error(message=message, kind=kind, attempt=seq.attempt), batch_max=seq.batch_max)
 
     def _finish(self, seq: Sequence, reason: FinishReason, *, matched_stop: str | None = None) -> Emission:
         state: _TextState = seq.state
@@ -366,6 +439,15 @@ class Engine:
         self.scheduler.finish(seq)
         del self._seqs[seq.key]
         return Emission(seq.key, delta, batch_max=seq.batch_max)
+
+
+def _members(plan: StepPlan) -> list[Sequence]:
+    return [*plan.decode, *(c.seq for c in plan.prefill)]
+
+
+def _subplan(plan: StepPlan, members: list[Sequence]) -> StepPlan:
+    keep = set(map(id, members))
+    return StepPlan(decode=tuple(s for s in plan.decode if id(s) in keep), prefill=tuple(c for c in plan.prefill if id(c.seq) in keep))
 
 
 def _first_line(message: str) -> str:

@@ -25,17 +25,25 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from shared import keys
+from shared.codec import DELTA_FIELD, FINISHED, RUNNING, Meta
 
 # KEYS: meta, deltas, request, cancel. ARGV: attempt, ttl, outcome ("" unless terminal), now, batch_max,
-# then one encoded delta per remaining argument. Returns 1 when written, 0 when the attempt is stale.
-FENCED_WRITE = """
-if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 0 end
-for i = 6, #ARGV do redis.call('XADD', KEYS[2], 'NOMKSTREAM', '*', 'd', ARGV[i]) end
+# written (how many deltas of this attempt the caller knows were written), then one encoded delta per
+# remaining argument. Returns 1 when written, 0 when the attempt is stale. The meta field `emitted` counts
+# this attempt's deltas: a resend after a lost reply skips the ones already written (never a duplicate).
+FENCED_WRITE = f"""
+if redis.call('HGET', KEYS[1], '{Meta.ATTEMPT}') ~= ARGV[1] then return 0 end
+local have = tonumber(redis.call('HGET', KEYS[1], '{Meta.EMITTED}') or '0')
+local base = tonumber(ARGV[6])
+for i = 7, #ARGV do
+  if base + i - 7 >= have then redis.call('XADD', KEYS[2], 'NOMKSTREAM', '*', '{DELTA_FIELD}', ARGV[i]) end
+end
+if base + #ARGV - 6 > have then redis.call('HSET', KEYS[1], '{Meta.EMITTED}', base + #ARGV - 6) end
 if ARGV[3] == '' then
-  if #ARGV >= 6 then redis.call('HSETNX', KEYS[1], 'first_token_at', ARGV[4]) end
+  if #ARGV >= 7 then redis.call('HSETNX', KEYS[1], '{Meta.FIRST_TOKEN_AT}', ARGV[4]) end
   return 1
 end
-redis.call('HSET', KEYS[1], 'status', 'finished', 'outcome', ARGV[3], 'finished_at', ARGV[4], 'batch_max', ARGV[5])
+redis.call('HSET', KEYS[1], '{Meta.STATUS}', '{FINISHED}', '{Meta.OUTCOME}', ARGV[3], '{Meta.FINISHED_AT}', ARGV[4], '{Meta.BATCH_MAX}', ARGV[5])
 for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 return 1
 """
@@ -129,10 +137,30 @@ async def release(redis: Redis, consumer: str, entry_ids: list[str], *, lease_s:
 async def begin_attempt(redis: Redis, request_id: str, *, worker: str, deliveries: int) -> int:
     """Bump and return the request's attempt number (the fencing token) and record the claim."""
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.hincrby(keys.request_meta(request_id), "attempt", 1)
-        pipe.hset(keys.request_meta(request_id), mapping={"status": "running", "worker": worker, "claimed_at": time.time(), "deliveries": deliveries})
+        pipe.hincrby(keys.request_meta(request_id), Meta.ATTEMPT, 1)
+        claim = {Meta.STATUS: RUNNING, Meta.WORKER: worker, Meta.CLAIMED_AT: time.time(), Meta.DELIVERIES: deliveries, Meta.EMITTED: 0}
+        pipe.hset(keys.request_meta(request_id), mapping=claim)  # type: ignore[arg-type]
         attempt, _ = await pipe.execute()
     return int(attempt)
+
+
+async def sweep_inflight(redis: Redis, *, grace_s: float) -> list[str]:
+    """Heal the in-flight set (keys.INFLIGHT): remove the ids whose request finished (its terminal event
+    was written but the ZREM after it was lost) or never reached Redis (admitted more than `grace_s` ago,
+    no meta hash: a submit or release that failed halfway). O(in flight): one ZRANGE, one pipelined HGET
+    each. Returns the ids removed."""
+    members: Any = await redis.zrange(keys.INFLIGHT, 0, -1, withscores=True)
+    if not members:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for rid, _admitted in members:
+            pipe.hget(keys.request_meta(_text(rid)), Meta.STATUS)
+        statuses = await pipe.execute()
+    cutoff = time.time() - grace_s
+    gone = [_text(rid) for (rid, admitted), status in zip(members, statuses, strict=True) if status == FINISHED.encode() or (status is None and admitted < cutoff)]
+    if gone:
+        await redis.zrem(keys.INFLIGHT, *gone)
+    return gone
 
 
 async def trim_acknowledged(redis: Redis) -> None:

@@ -7,6 +7,14 @@ after its terminal event is written. Periodically: heartbeat (figures for /ready
 lease renewal, and trimming the request stream below the oldest unacknowledged entry.
 SIGTERM drains: stop claiming, finish in-flight work within `drain_timeout`, then release the leases
 of what is left so another worker resumes it at once.
+
+Redis going away (a restart, a blip) is ridden out, not fatal: the model stays loaded and running
+sequences keep stepping; their deltas wait in `outbox` (in order) and are written through the fence
+once Redis answers again (first the leases are renewed). Redis is retried with a capped exponential
+backoff. The fenced script skips deltas an earlier try already wrote (the reply was lost, not the
+write: `Held.written`), so a retried write never duplicates an event. A request another worker took
+over meanwhile is refused by the fence and dropped here, as after any lost lease.
+The heartbeat (its own timer) reads only `figures`, handed over after each step, never the engine.
 """
 
 from __future__ import annotations
@@ -21,25 +29,33 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from bus.connect import queue_script
 from shared import keys
-from shared.codec import decode_delta, decode_request, encode_delta
+from shared.codec import Meta, dead_letter_entry, deltas_of, encode_delta, finished_entry, request_id_of, request_of
 from shared.deltas import Error, ErrorKind, Finish, FinishReason, StreamDelta, Usage, is_terminal
 from shared.ir import Request
 from shared.settings import Settings
 from workers import leases
-from workers.engine import Emission, Engine
+from workers.engine import FAILED_ADD, Emission, Engine
+from workers.faults import FAULT_INJECTION_FILE, FaultyRunner, fault_injection
+
+__all__ = ["FAULT_INJECTION_FILE", "WorkerLoop", "fault_injection"]
 
 log = logging.getLogger(__name__)
 TRIM_EVERY_S = 60.0
+SWEEP_EVERY_S = 10.0  # heal the in-flight set (workers.leases.sweep_inflight)
+SWEEP_GRACE_S = 30.0  # an admitted id with no request after this long never reached the queue
+BACKOFF_S = (0.05, 2.0)  # first and longest wait between tries while Redis does not answer
 OPERATOR_CANCEL_MESSAGE = "The request was cancelled by the server's operator."
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Held:
     entry_id: str
     attempt: int
+    written: int = 0  # deltas of this attempt the fenced script has confirmed
 
 
 class WorkerLoop:
@@ -59,11 +75,26 @@ class WorkerLoop:
         self._fenced = redis.register_script(leases.FENCED_WRITE)
         self._due: dict[str, float] = defaultdict(float)
         self._last_counts = (time.monotonic(), 0, 0)
-        self.crash_on = fault_injection(settings)
+        self.faults = fault_injection(settings)
+        if self.faults.fail_on:
+            engine.runner = FaultyRunner(engine.runner, self.faults)
+        self.outbox: list[Emission] = []  # deltas not written yet (Redis did not answer), in order
+        self.settle: dict[str, str] = {}  # request → outcome: terminal written, ack / feed not yet
+        self.figures: dict[str, float | int] = engine.figures()  # handed over after each step (heartbeat)
+        self.redis_down_since: float | None = None
+        self.redis_outages = 0
+        self._backoff = 0.0
+        self._retry_at = 0.0
 
     async def run(self, stop: asyncio.Event) -> None:
-        await leases.ensure_group(self.redis)
-        await self.heartbeat()
+        while not stop.is_set():  # Redis may not be up yet (or be restarting): wait for it
+            try:
+                await leases.ensure_group(self.redis)
+                await self.heartbeat()
+                break
+            except RedisError as exc:
+                self._lost(exc)
+                await asyncio.sleep(max(0.0, self._retry_at - time.monotonic()))
         keeper = asyncio.create_task(self.keep_alive())
         try:
             while not stop.is_set():
@@ -77,27 +108,73 @@ class WorkerLoop:
         machine) runs in a thread, and must not let the leases lapse or the worker look dead."""
         while True:
             await asyncio.sleep(min(self.settings.lease_s / 3, self.settings.heartbeat_interval))
+            if not self.redis_up():
+                continue  # step_once retries Redis on its backoff; nothing to renew meanwhile
             try:
                 await leases.renew(self.redis, self.worker_id, [h.entry_id for h in self.held.values()])
                 if self._every("heartbeat", self.settings.heartbeat_interval):
                     await self.heartbeat()
-            except RuntimeError:
-                continue  # the step thread changed the engine's tables mid-read; next beat
+            except RedisError as exc:
+                self._lost(exc)
             except Exception:
                 log.exception("lease renewal failed")
 
     async def step_once(self) -> None:
-        if not self.draining:
-            await self.claim(block_ms=None if self.engine.has_work() else 200)
-        await self.check_cancels()
+        """One round: (Redis permitting) settle what an outage left, claim, check cancels; one engine
+        step; (Redis permitting) write its deltas, then the periodic chores. Without Redis the step
+        still runs and its deltas wait in the outbox."""
+        if self.redis_up():
+            try:
+                await self._catch_up()
+                if not self.draining:
+                    await self.claim(block_ms=None if self.engine.has_work() else 200)
+                await self.check_cancels()
+            except RedisError as exc:
+                self._lost(exc)
         if self.engine.has_work():
             try:
-                emissions = await asyncio.to_thread(self.engine.step)
-            except Exception:
+                emissions, self.figures = await asyncio.to_thread(self._step)
+            except Exception:  # outside the runner (which the engine isolates): the engine's own books
                 log.exception("engine step failed; ending the requests in flight with an error")
                 emissions = self.engine.fail_all("The worker failed while generating this response.")
-            await self.publish(emissions)
-        await self.periodic()
+                self.figures = self.engine.figures()
+            self.outbox.extend(emissions)
+        elif not self.redis_up():
+            await asyncio.sleep(min(0.2, max(0.0, self._retry_at - time.monotonic())))
+        if self.redis_up():
+            try:
+                await self.publish([])
+                await self.periodic()
+            except RedisError as exc:
+                self._lost(exc)
+
+    def _step(self) -> tuple[list[Emission], dict[str, float | int]]:
+        """In the step thread: the step's emissions and the figures after it."""
+        return self.engine.step(), self.engine.figures()
+
+    def redis_up(self) -> bool:
+        """Whether to talk to Redis now: always, except between tries while it does not answer."""
+        return self.redis_down_since is None or time.monotonic() >= self._retry_at
+
+    def _lost(self, exc: RedisError) -> None:
+        """A Redis call failed: wait longer before the next try (capped exponential backoff)."""
+        if self.redis_down_since is None:
+            self.redis_down_since = time.monotonic()
+            self.redis_outages += 1
+            log.warning("redis unavailable (%s: %s); generation goes on, deltas wait until it is back", type(exc).__name__, exc)
+        first, cap = BACKOFF_S
+        self._backoff = min(cap, self._backoff * 2 or first)
+        self._retry_at = time.monotonic() + self._backoff
+
+    async def _catch_up(self) -> None:
+        """After an outage: renew the leases first (so nobody reclaims live work), then write what waited."""
+        if self.redis_down_since is None:
+            return
+        await leases.ensure_group(self.redis)  # a Redis that came back empty has no group
+        await leases.renew(self.redis, self.worker_id, [h.entry_id for h in self.held.values()])
+        await self.publish([])
+        log.warning("redis is back after %.1f s; %d request(s) in flight carried on", time.monotonic() - self.redis_down_since, len(self.held))
+        self.redis_down_since, self._backoff = None, 0.0
 
     def _every(self, name: str, seconds: float) -> bool:
         now = time.monotonic()
@@ -112,6 +189,10 @@ class WorkerLoop:
         if self._every("forget dead", self.settings.heartbeat_ttl):
             for worker in await leases.forget_dead_workers(self.redis, heartbeat_ttl=self.settings.heartbeat_ttl, lease_s=self.settings.lease_s):
                 log.info("worker %s is gone (no heartbeat, nothing pending): removed from the alive set", worker)
+        if self._every("sweep in flight", SWEEP_EVERY_S):
+            healed = await leases.sweep_inflight(self.redis, grace_s=SWEEP_GRACE_S)
+            if healed:
+                log.warning("in-flight set: removed %d id(s) that had finished or never reached the queue: %s", len(healed), healed[:5])
         if self._every("trim", TRIM_EVERY_S):
             await leases.trim_acknowledged(self.redis)
             await self.redis.zremrangebyscore(keys.REQUEST_INDEX, "-inf", time.time() - self.settings.dump_ttl)
@@ -143,14 +224,17 @@ class WorkerLoop:
         """Start (or resume) a claimed request under a new attempt number."""
         try:
             assert claimed.fields is not None, "entry trimmed"
-            request = decode_request(claimed.fields[b"req"])
+            request = request_of(claimed.fields)
         except Exception as exc:  # a payload never kills the worker
             await self.unreadable(claimed, exc)
+            return
+        if request.id in self.held:  # our own entry, idle past its lease (a long outage): we still run it
+            log.warning("request %s: reclaimed an entry this worker still runs; carrying on with attempt %d", request.id, self.held[request.id].attempt)
             return
         recorded = await self.recorded_deltas(request.id)
         terminal = next((d for d in recorded if is_terminal(d)), None)
         if terminal is not None:  # an earlier attempt finished it and died before its ack: finish the books only
-            outcome: Any = await self.redis.hget(keys.request_meta(request.id), "outcome")
+            outcome: Any = await self.redis.hget(keys.request_meta(request.id), Meta.OUTCOME)
             self.held[request.id] = Held(claimed.entry_id, 0)
             await self._forget(request.id, ack=True, outcome=bytes(outcome).decode() if outcome else _outcome(terminal))
             return
@@ -165,19 +249,28 @@ class WorkerLoop:
             cancelled = Emission(request.id, Finish(reason=FinishReason.CANCELLED, usage=usage, attempt=attempt))
             await self.publish([self._as_cancel(cancelled, flag)])
             return
-        if self.crash_on and self.crash_on in request.raw_body:
+        if self.faults.crash_on and self.faults.crash_on in request.raw_body:
             log.critical("fault injection: exiting hard on request %s (crash_on)", request.id)
             os._exit(70)
         emitted = tuple(t for d in recorded for t in getattr(d, "token_ids", ()))
-        await self.publish(self.engine.add(request, attempt=attempt, resume=emitted))
+        try:
+            if self.faults.fails_add(request):
+                raise RuntimeError("fault injection: engine.add fails on this request")
+            started = self.engine.add(request, attempt=attempt, resume=emitted)
+        except Exception:  # this request alone: the others in the batch go on
+            log.exception("request %s could not be added to the engine; ending it with an error", request.id)
+            self.engine.discard(request.id)
+            started = [Emission(request.id, Error(message=FAILED_ADD, kind=ErrorKind.INTERNAL, attempt=attempt))]
+        self.figures = self.engine.figures()
+        await self.publish(started)
 
     async def unreadable(self, claimed: leases.Claimed, exc: Exception) -> None:
         """An entry that does not decode: dead-lettered and acknowledged; when it names its request, that
         request ends with one Error (its client is not left waiting), whatever the delivery count."""
         reason = f"{type(exc).__name__}: {exc}"[:300]
-        rid = (claimed.fields or {}).get(b"id", b"").decode(errors="replace")
+        rid = request_id_of(claimed.fields)
         log.error("unreadable request entry %s (request %s): %s", claimed.entry_id, rid or "?", reason)
-        await self.redis.xadd(keys.DEAD_LETTER, {"id": rid, "entry": claimed.entry_id, "deliveries": claimed.deliveries, "reason": reason, "at": time.time()})
+        await self.redis.xadd(keys.DEAD_LETTER, dead_letter_entry(rid, entry=claimed.entry_id, deliveries=claimed.deliveries, now=time.time(), reason=reason))
         if not rid:
             await self.redis.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, claimed.entry_id)
             return
@@ -188,11 +281,11 @@ class WorkerLoop:
 
     async def recorded_deltas(self, request_id: str) -> list[StreamDelta]:
         entries: Any = await self.redis.xrange(keys.delta_stream(request_id))
-        return [decode_delta(fields[b"d"]) for _id, fields in entries if b"d" in fields]
+        return deltas_of(entries)
 
     async def dead_letter(self, request: Request, claimed: leases.Claimed) -> None:
         log.error("request %s was delivered %d times; moving it to the dead letters", request.id, claimed.deliveries)
-        await self.redis.xadd(keys.DEAD_LETTER, {"id": request.id, "entry": claimed.entry_id, "deliveries": claimed.deliveries, "at": time.time()})
+        await self.redis.xadd(keys.DEAD_LETTER, dead_letter_entry(request.id, entry=claimed.entry_id, deliveries=claimed.deliveries, now=time.time()))
         error = Error(
             message=f"The request failed {claimed.deliveries - 1} times and was set aside (dead-lettered).",
             kind=ErrorKind.INTERNAL,
@@ -223,20 +316,29 @@ class WorkerLoop:
         return replace(emission, delta=Error(message=OPERATOR_CANCEL_MESSAGE, kind=ErrorKind.INTERNAL, attempt=emission.delta.attempt))
 
     async def publish(self, emissions: list[Emission]) -> None:
-        """Write each request's deltas through the fenced script; ack the ones that ended."""
-        if not emissions:
-            return
+        """Queue `emissions` behind what waits in the outbox and write it all through the fenced script;
+        settle (ack, count, feed) the requests that ended. On a Redis error what is not confirmed stays
+        queued (the error propagates): the next try resends it, and the script skips what it had written."""
+        self.outbox.extend(emissions)
+        if self.outbox:
+            await self._write_outbox()
+        if self.settle:
+            await self._settle()
+
+    async def _write_outbox(self) -> None:
         by_request: dict[str, list[Emission]] = defaultdict(list)
-        for e in emissions:
+        for e in self.outbox:
             by_request[e.request_id].append(e)
         now = time.time()
         rids = [rid for rid in by_request if rid in self.held]
         async with self.redis.pipeline(transaction=False) as pipe:
             for rid in rids:
-                terminal = next((e for e in by_request[rid] if e.terminal), None)
-                args: list[Any] = [self.held[rid].attempt, self.settings.dump_ttl, self._outcome(terminal), now, terminal.batch_max if terminal else 0]
-                queue_script(pipe, self._fenced, _script_keys(rid), [*args, *(encode_delta(e.delta) for e in by_request[rid])])
+                held, batch = self.held[rid], by_request[rid]
+                terminal = next((e for e in batch if e.terminal), None)
+                args: list[Any] = [held.attempt, self.settings.dump_ttl, self._outcome(terminal), now, terminal.batch_max if terminal else 0, held.written]
+                queue_script(pipe, self._fenced, _script_keys(rid), [*args, *(encode_delta(e.delta) for e in batch)])
             results = await pipe.execute()
+        self.outbox = []
         for rid, written in zip(rids, results, strict=True):
             terminal = next((e for e in by_request[rid] if e.terminal), None)
             if not written:
@@ -245,11 +347,19 @@ class WorkerLoop:
                 self.engine.discard(rid)
                 self.held.pop(rid, None)
                 self.operator_cancels.discard(rid)
-            elif terminal is not None:
+                continue
+            self.held[rid].written += len(by_request[rid])
+            if terminal is not None:
                 outcome = self._outcome(terminal)
                 self._count(outcome)
                 self.operator_cancels.discard(rid)
-                await self._forget(rid, ack=True, outcome=outcome)
+                self.settle[rid] = outcome
+
+    async def _settle(self) -> None:
+        """Ack each ended request, take it off the in-flight set and announce it on the finished feed."""
+        for rid, outcome in list(self.settle.items()):
+            await self._forget(rid, ack=True, outcome=outcome)
+            del self.settle[rid]
 
     def _outcome(self, terminal: Emission | None) -> str:
         if terminal is None:
@@ -262,62 +372,42 @@ class WorkerLoop:
             self.cancelled_total += 1
 
     async def _forget(self, rid: str, *, ack: bool, outcome: str | None = None) -> None:
-        held = self.held.pop(rid, None)
-        if held is None or not ack:
+        held = self.held.get(rid)
+        if held is None:
             return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, held.entry_id)
-            if outcome is not None:
-                pipe.decr(keys.INFLIGHT)
-                pipe.xadd(keys.FINISHED, {"id": rid, "outcome": outcome}, maxlen=100_000, approximate=True)
-            await pipe.execute()
+        if ack:  # XACK and ZREM repeat harmlessly if a lost reply makes this run twice
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, held.entry_id)
+                if outcome is not None:
+                    pipe.zrem(keys.INFLIGHT, rid)
+                    pipe.xadd(keys.FINISHED, finished_entry(rid, outcome), maxlen=100_000, approximate=True)
+                await pipe.execute()
+        self.held.pop(rid, None)
 
     def _rates(self, now: float) -> tuple[float, float]:
         """Prefill and decode tokens/s since the previous heartbeat."""
-        stats = self.engine.stats
+        done_prefill, done_decode = int(self.figures["prefill_tokens"]), int(self.figures["decode_tokens"])
         then, prefill, decode = self._last_counts
-        self._last_counts = (now, stats.prefill_tokens, stats.decode_tokens)
+        self._last_counts = (now, done_prefill, done_decode)
         span = max(now - then, 1e-6)
-        return (stats.prefill_tokens - prefill) / span, (stats.decode_tokens - decode) / span
+        return (done_prefill - prefill) / span, (done_decode - decode) / span
 
     async def heartbeat(self) -> None:
-        stats = self.engine.stats
-        sched = self.engine.scheduler
-        grammars = self.engine.grammars
         prefill_tps, decode_tps = self._rates(time.monotonic())
         figures: dict[Any, Any] = {
             **self.info,
+            **self.figures,
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "started": self.started,
             "heartbeat": time.time(),
             "draining": int(self.draining),
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "active": len(self.engine.active_ids()),
-            "batch_peak": stats.batch_peak,
-            "last_batch": stats.last_batch,
-            "steps": stats.steps,
-            "prefill_tokens": stats.prefill_tokens,
-            "decode_tokens": stats.decode_tokens,
-            "step_ms": round(stats.last_step_s * 1000, 2),
-            "mask_ms_total": round(getattr(self.engine.runner, "mask_s", 0.0) * 1000, 3),  # grammar masks (constrained rows only)
-            "masked_steps": getattr(self.engine.runner, "masked_steps", 0),
-            "masked_rows": getattr(self.engine.runner, "masked_rows", 0),
-            "grammar_compiles": grammars.compiles if grammars is not None else 0,
-            "grammar_cache_hits": grammars.hits if grammars is not None else 0,
             "prefill_tps": round(prefill_tps, 1),
             "decode_tps": round(decode_tps, 1),
-            "kv_used_tokens": sched.pool.num_used * sched.pool.block_size,
-            "kv_total_tokens": sched.pool.num_tokens,
-            "kv_blocks_used": sched.pool.num_used,
-            "prefix_cache_queries": sched.pool.queries,
-            "prefix_cache_hits": sched.pool.hits,
-            "running_peak": sched.running_peak,
-            "preemptions": sched.preemptions,
             "finished": self.finished_total,
             "cancelled": self.cancelled_total,
             "stale_writes": self.stale_total,
+            "redis_outages": self.redis_outages,
         }
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(keys.worker_info(self.worker_id), mapping=figures)
@@ -328,38 +418,29 @@ class WorkerLoop:
     async def drain(self) -> None:
         """Stop claiming, finish what runs within the drain timeout, hand the rest back, leave."""
         self.draining = True
-        await self.heartbeat()
+        try:
+            await self.heartbeat()
+        except RedisError as exc:
+            self._lost(exc)
         deadline = time.monotonic() + self.settings.drain_timeout
-        while self.engine.has_work() and time.monotonic() < deadline:
+        while (self.engine.has_work() or self.outbox or self.settle) and time.monotonic() < deadline:
             await self.step_once()
         left = list(self.held.items())
-        if left:
-            log.warning("drain timeout: handing %d request(s) back for another worker to resume", len(left))
-            await leases.release(self.redis, self.worker_id, [h.entry_id for _, h in left], lease_s=self.settings.lease_s)
-            for rid, _ in left:
-                self.engine.discard(rid)
-            self.held.clear()
-        await self.redis.zrem(keys.WORKERS_ALIVE, self.worker_id)
-        await self.redis.delete(keys.worker_info(self.worker_id))
+        try:
+            if left:
+                log.warning("drain timeout: handing %d request(s) back for another worker to resume", len(left))
+                await leases.release(self.redis, self.worker_id, [h.entry_id for _, h in left], lease_s=self.settings.lease_s)
+            await self.redis.zrem(keys.WORKERS_ALIVE, self.worker_id)
+            await self.redis.delete(keys.worker_info(self.worker_id))
+        except RedisError as exc:
+            log.warning("redis unavailable while leaving (%s): %d request(s) left go to another worker when their lease lapses", type(exc).__name__, len(left))
+        for rid, _ in left:
+            self.engine.discard(rid)
+        self.held.clear()
 
 
 def _script_keys(rid: str) -> tuple[str, str, str, str]:
     return keys.request_meta(rid), keys.delta_stream(rid), keys.request_ir(rid), keys.cancel_flag(rid)
-
-
-FAULT_INJECTION_FILE = "ENABLE_FAULT_INJECTION"
-
-
-def fault_injection(settings: Settings) -> str:
-    """`crash_on` (MET_CRASH_ON), honoured only where a test enabled it: with a file of this name in the
-    data dir. A production deployment that merely inherits the variable never lets a client kill workers."""
-    if not settings.crash_on:
-        return ""
-    if os.path.exists(os.path.join(settings.data_dir, FAULT_INJECTION_FILE)):
-        log.warning("fault injection is on: a request containing %r kills this worker", settings.crash_on)
-        return settings.crash_on
-    log.warning("MET_CRASH_ON is set but fault injection is not enabled (no %s in %s): ignored", FAULT_INJECTION_FILE, settings.data_dir)
-    return ""
 
 
 def _outcome(delta: StreamDelta) -> str:

@@ -8,8 +8,15 @@ import os
 import secrets
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from functools import partial
+from typing import TypeVar
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
 
 from bus.connect import connect
 from models.files import local_folder
@@ -22,6 +29,7 @@ from workers.engine import Engine
 from workers.loop import WorkerLoop
 
 log = logging.getLogger("met.worker")
+T = TypeVar("T")
 
 
 def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
@@ -64,11 +72,18 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
     return engine, info
 
 
+def redis_client(url: str) -> Redis:
+    """The worker's client: one quick retry per command. The loop rides out a longer outage itself
+    (workers.loop), stepping on while it waits, which redis-py's default (ten backed-off retries per
+    command) would stall."""
+    return connect(url, retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1), socket_connect_timeout=2.0)
+
+
 async def run_worker(settings: Settings) -> None:
     assert settings.redis_url, "a worker needs --redis-url"
     engine, info = await asyncio.to_thread(build_engine, settings)
-    redis = connect(settings.redis_url)
-    engine.sealer = await load_sealer(redis, keys.SEAL_KEY)
+    redis = redis_client(settings.redis_url)
+    engine.sealer = await _until_redis_answers(lambda: load_sealer(redis, keys.SEAL_KEY))
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
     loop = WorkerLoop(redis, engine, settings=settings, worker_id=worker_id, info=info)
     stop = asyncio.Event()
@@ -79,3 +94,15 @@ async def run_worker(settings: Settings) -> None:
         await loop.run(stop)
     finally:
         await redis.aclose()
+
+
+async def _until_redis_answers(call: Callable[[], Awaitable[T]]) -> T:
+    """`call()`, retried while Redis does not answer (it may be starting or restarting): the model is loaded."""
+    wait = 0.1
+    while True:
+        try:
+            return await call()
+        except RedisError as exc:
+            log.warning("redis unavailable (%s); retrying in %.1f s", type(exc).__name__, wait)
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, 2.0)

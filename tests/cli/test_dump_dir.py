@@ -43,3 +43,70 @@ def test_finished_requests_are_appended_to_the_dump_dir_without_secrets(dumping_
     assert path.name.startswith("metrale-dumps-") and path.name.endswith("-0001.jsonl")
     raw = path.read_bytes()
     assert b"sk-dump-dir-secret" not in raw and b"sk-dump-dir-header" not in raw
+
+
+def test_a_met_api_killed_and_restarted_writes_what_finished_while_it_was_down_each_once(redis_server: str, tmp_path: Path) -> None:
+    """A real `met api --dump-dir` process, kill -9, requests finishing meanwhile (recorded by hand, as a
+    worker does), a restart: every record is in the files exactly once."""
+    import asyncio
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+    from redis.asyncio import Redis
+
+    from cli.embedded_redis import free_port
+
+    from ..conftest import ROOT
+    from ..ingest.test_dump_writer import finish_by_hand
+
+    dumps = tmp_path / "dumps"
+
+    def start() -> subprocess.Popen[bytes]:
+        port = free_port()
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "MET_DATA_DIR": str(tmp_path)}
+        cmd = [sys.executable, "-m", "cli.main", "api", "--redis-url", redis_server, "--port", str(port), "--dump-dir", str(dumps)]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        end = time.monotonic() + 180
+        while time.monotonic() < end and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        proc.kill()
+        pytest.fail("met api did not start")
+
+    def finish(n: int) -> list[str]:
+        async def run() -> list[str]:
+            redis = Redis.from_url(redis_server)
+            try:
+                return [await finish_by_hand(redis) for _ in range(n)]
+            finally:
+                await redis.aclose()
+
+        return asyncio.run(run())
+
+    def written(expected: int) -> list[str]:
+        end = time.monotonic() + 60
+        while len(records_in(dumps)) < expected and time.monotonic() < end:
+            time.sleep(0.1)
+        time.sleep(0.5)  # and nothing more arrives
+        return [r.id for r in records_in(dumps)]
+
+    api = start()
+    try:
+        ids = finish(1)
+        assert written(1) == ids
+        api.send_signal(signal.SIGKILL)
+        api.wait(10)
+        ids += finish(3)  # finished while no writer ran
+        api = start()
+        assert written(4) == ids
+        ids += finish(1)
+        assert written(5) == ids
+    finally:
+        api.terminate()
+        api.wait(30)

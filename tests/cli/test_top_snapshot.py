@@ -87,7 +87,7 @@ async def test_the_queue_and_the_active_requests_come_from_the_group_the_index_a
     await submit(redis, "wait", status="queued", received_at=now - 3)
     await redis.xreadgroup(keys.WORKER_GROUP, "w-1", {keys.REQUEST_STREAM: ">"}, count=2)
     await redis.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, (await redis.xrange(keys.REQUEST_STREAM, count=1))[0][0])
-    await redis.set(keys.INFLIGHT, 2)
+    await redis.zadd(keys.INFLIGHT, {"run": now, "wait": now})
     for delta in (Content(text="Hel", token_ids=(1, 2)), Content(text="lo", token_ids=(3,))):
         await redis.xadd(keys.delta_stream("run"), {"d": encode_delta(delta)})
 

@@ -1,15 +1,19 @@
-"""`--dump-dir`: the writer follows met:finished from when it starts and appends records to rotating JSONL files."""
+"""`--dump-dir`: the writer follows met:finished from when it first starts, resumes from its committed position,
+and appends each record once to rotating JSONL files (fsynced at rotation and before each commit)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 import orjson
+import pytest
 from redis.asyncio import Redis
 
-from ingest.dump_writer import DumpWriter, DumpWriterTask, RotatingJsonl
+from ingest.dump_writer import DumpWriter, DumpWriterTask, Position, RotatingJsonl
 from ingest.publish import submit
 from shared import keys
 from shared.codec import encode_delta
@@ -67,7 +71,7 @@ async def test_the_writer_appends_requests_finished_after_it_started_and_nothing
     finally:
         await redis.aclose()
     assert records_in(tmp_path) == [first, second] and before not in records_in(tmp_path)
-    (path,) = tmp_path.iterdir()
+    (path,) = tmp_path.glob("metrale-dumps-*.jsonl")
     line = orjson.loads(path.read_bytes().splitlines()[0])
     assert line["meta"]["worker"] == "w9" and line["outcome"] == "stop" and len(line["deltas"]) == 3
 
@@ -84,3 +88,81 @@ async def test_the_task_writes_what_finished_just_before_it_stopped_and_redacts_
     await task.stop()
     assert records_in(tmp_path / "dumps") == [rid]
     assert b"sk-dump-secret" not in b"".join(p.read_bytes() for p in (tmp_path / "dumps").iterdir())
+
+
+async def drain(writer: DumpWriter) -> None:
+    while await writer.step_once(block_ms=None):
+        pass
+
+
+async def test_a_restarted_writer_writes_what_finished_while_it_was_down_each_once(redis_server: str, tmp_path: Path) -> None:
+    redis = Redis.from_url(redis_server)
+    try:
+        first = DumpWriter(redis, RotatingJsonl(tmp_path))
+        await first.start_position()
+        written = [await finish_by_hand(redis)]
+        await drain(first)
+        del first  # stopped
+        written += [await finish_by_hand(redis), await finish_by_hand(redis)]  # finished while no writer ran
+        again = DumpWriter(redis, RotatingJsonl(tmp_path))
+        await again.start_position()
+        await drain(again)
+        written.append(await finish_by_hand(redis))
+        await drain(again)
+    finally:
+        await redis.aclose()
+    assert records_in(tmp_path) == written
+
+
+async def test_a_batch_that_failed_halfway_or_crashed_before_its_commit_is_written_once(redis_server: str, tmp_path: Path, monkeypatch: Any) -> None:
+    redis = Redis.from_url(redis_server)
+    real_append, real_save = RotatingJsonl.append, Position.save
+    failures = {"append": 1, "save": 1}
+
+    def append_then_fail(self: RotatingJsonl, lines: list[bytes], **kw: Any) -> list[Path]:
+        if failures["append"]:
+            failures["append"] -= 1
+            real_append(self, lines[:1], **kw)
+            raise OSError(28, "No space left on device")  # the disk filled after one line
+        return real_append(self, lines, **kw)
+
+    def crash_before_commit(self: Position, directory: Path) -> None:
+        if failures["save"] and self.size:
+            failures["save"] -= 1
+            raise SystemExit("killed before the position was committed")
+        real_save(self, directory)
+
+    try:
+        writer = DumpWriter(redis, RotatingJsonl(tmp_path))
+        await writer.start_position()
+        monkeypatch.setattr(RotatingJsonl, "append", append_then_fail)
+        batch = [await finish_by_hand(redis), await finish_by_hand(redis)]
+        with pytest.raises(OSError):
+            await writer.step_once(block_ms=None)
+        await drain(writer)  # the retry
+        assert records_in(tmp_path) == batch
+        monkeypatch.setattr(Position, "save", crash_before_commit)
+        batch.append(await finish_by_hand(redis))
+        with pytest.raises(SystemExit):
+            await writer.step_once(block_ms=None)  # its line is in the file, its position is not
+        restarted = DumpWriter(redis, RotatingJsonl(tmp_path))
+        await restarted.start_position()
+        await drain(restarted)
+    finally:
+        await redis.aclose()
+    assert records_in(tmp_path) == batch
+
+
+def test_a_file_left_at_rotation_is_fsynced_before_the_next_one_is_written(tmp_path: Path, monkeypatch: Any) -> None:
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    files = RotatingJsonl(tmp_path, max_bytes=20)
+    files.append([b'{"n": 1, "pad": "x"}\n', b'{"n": 2}\n'], now=NOON)
+    assert synced == ["metrale-dumps-2023-11-14-0001.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrale-dumps-2023-11-14-0001.jsonl", "metrale-dumps-2023-11-14-0002.jsonl"]

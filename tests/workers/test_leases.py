@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from ingest.publish import submit
 from shared import keys
-from shared.codec import encode_delta
+from shared.codec import decode_delta, encode_delta
 from shared.deltas import Content, Finish, FinishReason, Usage
 from workers import leases
 
@@ -32,10 +32,11 @@ def run(redis_url: str, body: Callable[[Redis], Awaitable[Any]]) -> Any:
     return asyncio.run(main())
 
 
-async def fenced(redis: Redis, rid: str, attempt: int, *deltas: Any, outcome: str = "") -> int:
+async def fenced(redis: Redis, rid: str, attempt: int, *deltas: Any, outcome: str = "", written: int = 0) -> int:
     script = redis.register_script(leases.FENCED_WRITE)
     meta, stream, ir, cancel = keys.request_meta(rid), keys.delta_stream(rid), keys.request_ir(rid), keys.cancel_flag(rid)
-    result: int = await script(keys=[meta, stream, ir, cancel], args=[attempt, 60, outcome, time.time(), 1, *(encode_delta(d) for d in deltas)])
+    args = [attempt, 60, outcome, time.time(), 1, written, *(encode_delta(d) for d in deltas)]
+    result: int = await script(keys=[meta, stream, ir, cancel], args=args)
     return result
 
 
@@ -56,6 +57,23 @@ def test_a_stale_attempt_cannot_write_and_the_current_one_can(redis_server: str)
         assert 0 < await redis.ttl(keys.request_ir(request.id)) <= 60
         assert (await redis.hget(keys.request_meta(request.id), "outcome")) == b"stop"
         assert claimed.deliveries == 1
+
+    run(redis_server, body)
+
+
+def test_a_write_resent_after_a_lost_reply_adds_only_the_deltas_not_yet_written(redis_server: str) -> None:
+    async def body(redis: Redis) -> None:
+        request = make_request(f"resend-{time.monotonic_ns()}")
+        await submit(redis, request)
+        attempt = await leases.begin_attempt(redis, request.id, worker="w", deliveries=1)
+        a, b, c = (Content(text=t, attempt=attempt) for t in "abc")
+        assert await fenced(redis, request.id, attempt, a, b) == 1  # written; say the reply was lost
+        assert await fenced(redis, request.id, attempt, a, b, c, written=0) == 1  # the worker resends from what it knows
+        texts = [decode_delta(f[b"d"]).text for _, f in await redis.xrange(keys.delta_stream(request.id)) if b"d" in f]  # type: ignore[union-attr]
+        assert texts == ["a", "b", "c"]
+        again = await leases.begin_attempt(redis, request.id, worker="w2", deliveries=2)
+        assert await fenced(redis, request.id, again, Content(text="d", attempt=again)) == 1  # a new attempt counts from 0
+        assert await redis.xlen(keys.delta_stream(request.id)) == 4
 
     run(redis_server, body)
 
@@ -135,7 +153,7 @@ def test_reclaiming_a_request_whose_terminal_was_written_only_settles_its_books(
 
     async def body(redis: Redis) -> None:
         request = make_request(f"settled-{time.monotonic_ns()}")
-        await redis.set(keys.INFLIGHT, 1)
+        await redis.zadd(keys.INFLIGHT, {request.id: time.time()})
         await submit(redis, request)
         [claimed] = await leases.claim_new(redis, "died-before-ack", count=1, block_ms=None)
         attempt = await leases.begin_attempt(redis, request.id, worker="died-before-ack", deliveries=claimed.deliveries)
@@ -147,7 +165,7 @@ def test_reclaiming_a_request_whose_terminal_was_written_only_settles_its_books(
         await loop.reclaim()
         meta = await redis.hgetall(keys.request_meta(request.id))
         assert (meta[b"status"], meta[b"attempt"], meta[b"worker"]) == (b"finished", str(attempt).encode(), b"died-before-ack")
-        assert int(await redis.get(keys.INFLIGHT) or 0) == 0
+        assert await redis.zscore(keys.INFLIGHT, request.id) is None
         assert await redis.xlen(keys.FINISHED) == finished_before + 1
         pending: Any = await redis.xpending(keys.REQUEST_STREAM, keys.WORKER_GROUP)
         assert pending["pending"] == 0 and not engine.active_ids()
@@ -157,17 +175,16 @@ def test_reclaiming_a_request_whose_terminal_was_written_only_settles_its_books(
 
 def test_the_crash_hook_is_ignored_unless_the_data_dir_enables_fault_injection(tmp_path: Any) -> None:
     from shared.settings import Settings
-    from workers.loop import FAULT_INJECTION_FILE, fault_injection
+    from workers.faults import FAULT_INJECTION_FILE, Faults, fault_injection
 
-    settings = Settings(crash_on="POISON", data_dir=str(tmp_path))
-    assert fault_injection(settings) == ""  # inherited from the environment alone: a client cannot kill workers
+    settings = Settings(crash_on="POISON", fail_on="BAD", data_dir=str(tmp_path))
+    assert fault_injection(settings) == Faults()  # inherited from the environment alone: a client cannot kill or fail workers
     (tmp_path / FAULT_INJECTION_FILE).touch()
-    assert fault_injection(settings) == "POISON"
-    assert fault_injection(Settings(data_dir=str(tmp_path))) == ""
+    assert fault_injection(settings) == Faults(crash_on="POISON", fail_on="BAD")
+    assert fault_injection(Settings(data_dir=str(tmp_path))) == Faults()
 
 
 def test_an_unreadable_entry_ends_its_request_with_one_error_and_is_dead_lettered_not_crashing_the_worker(redis_server: str) -> None:
-    from shared.codec import decode_delta
     from shared.deltas import Error
     from shared.settings import Settings
     from workers.engine import Engine
@@ -177,7 +194,7 @@ def test_an_unreadable_entry_ends_its_request_with_one_error_and_is_dead_lettere
 
     async def body(redis: Redis) -> None:
         rid = f"garbled-{time.monotonic_ns()}"
-        await redis.set(keys.INFLIGHT, 1)
+        await redis.zadd(keys.INFLIGHT, {rid: time.time()})
         await redis.xadd(keys.delta_stream(rid), {"created": b"1"}, id="0-1")
         bad = b'{"v":1,"id":"%s","protocol":"openai_chat","model":"m","messages":[{"role":"nobody","content":[]}]}' % rid.encode()
         await redis.xadd(keys.REQUEST_STREAM, {"v": 1, "id": rid, "req": bad})
@@ -189,7 +206,7 @@ def test_an_unreadable_entry_ends_its_request_with_one_error_and_is_dead_lettere
         assert len(recorded) == 1 and isinstance(recorded[0], Error)
         assert await redis.xlen(keys.DEAD_LETTER) == letters_before + 1
         pending: Any = await redis.xpending(keys.REQUEST_STREAM, keys.WORKER_GROUP)
-        assert pending["pending"] == 0 and int(await redis.get(keys.INFLIGHT) or 0) == 0
+        assert pending["pending"] == 0 and await redis.zscore(keys.INFLIGHT, rid) is None
         assert (await redis.hget(keys.request_meta(rid), "status")) == b"finished"
 
     run(redis_server, body)
