@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 from redis.asyncio import Redis
 
 from cli.embedded_redis import EmbeddedRedis
@@ -28,6 +29,8 @@ from workers.main import redis_client
 from workers.scheduler import Sampled, StepPlan
 
 from .fakes import INFO, ByteTokenizer, ScriptedRunner, make_request
+
+pytestmark = pytest.mark.redis  # every test here runs against a real redis-server
 
 TIMEOUT = 600.0
 
