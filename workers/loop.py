@@ -1,4 +1,4 @@
-"""The worker loop: all of a worker's Redis I/O around `Engine.step()`.
+"""The worker loop: all of a worker's Redis I/O around its engine's step.
 
 Each `step_once()`: claim new requests (and, every half lease, reclaim ones whose holder died),
 check cancel flags, run one engine step in a thread (so Redis I/O is not blocked behind a forward),
@@ -7,6 +7,12 @@ after its terminal event is written. Periodically: heartbeat (figures for /ready
 lease renewal, and trimming the request stream below the oldest unacknowledged entry.
 SIGTERM drains: stop claiming, finish in-flight work within `drain_timeout`, then release the leases
 of what is left so another worker resumes it at once.
+
+`ClaimLoop` is the part every kind of worker shares (claims, leases, fenced writes, cancels,
+heartbeat, drain); a kind of worker is its engine plus four hooks: how many requests it can take
+(`capacity`), how it starts or resumes one (`start`), one step (`run_step`) and its heartbeat figures
+(`engine_figures`). `WorkerLoop` runs the model `Engine` (a step in a thread); workers/gateway.py's
+`GatewayLoop` runs requests on an upstream OpenAI-compatible server.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import socket
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from redis.asyncio import Redis
 
@@ -41,8 +47,21 @@ class Held:
     attempt: int
 
 
-class WorkerLoop:
-    def __init__(self, redis: Redis, engine: Engine, *, settings: Settings, worker_id: str, info: dict[str, str]) -> None:
+class LoopEngine(Protocol):
+    """What `ClaimLoop` needs of any engine."""
+
+    def has_work(self) -> bool: ...
+    def active_ids(self) -> list[str]: ...
+    def cancel(self, request_id: str) -> list[Emission]: ...
+    def discard(self, request_id: str) -> None: ...
+    def fail_all(self, message: str) -> list[Emission]: ...
+
+
+E = TypeVar("E", bound=LoopEngine)
+
+
+class ClaimLoop(Generic[E]):
+    def __init__(self, redis: Redis, engine: E, *, settings: Settings, worker_id: str, info: dict[str, str]) -> None:
         self.redis = redis
         self.engine = engine
         self.settings = settings
@@ -57,7 +76,6 @@ class WorkerLoop:
         self.stale_total = 0
         self._fenced = redis.register_script(leases.FENCED_WRITE)
         self._due: dict[str, float] = defaultdict(float)
-        self._last_counts = (time.monotonic(), 0, 0)
         self.crash_on = fault_injection(settings)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -90,13 +108,26 @@ class WorkerLoop:
             await self.claim(block_ms=None if self.engine.has_work() else 200)
         await self.check_cancels()
         if self.engine.has_work():
-            try:
-                emissions = await asyncio.to_thread(self.engine.step)
-            except Exception:
-                log.exception("engine step failed; ending the requests in flight with an error")
-                emissions = self.engine.fail_all("The worker failed while generating this response.")
-            await self.publish(emissions)
+            await self.publish(await self.run_step())
         await self.periodic()
+
+    # ---- the hooks a kind of worker fills in -----------------------------------------------------
+
+    async def run_step(self) -> list[Emission]:
+        """One engine step's emissions."""
+        raise NotImplementedError
+
+    def capacity(self) -> int:
+        """Requests to claim now."""
+        raise NotImplementedError
+
+    def start(self, request: Request, *, attempt: int, recorded: list[StreamDelta]) -> list[Emission]:
+        """Hand a claimed request to the engine; `recorded` holds what earlier attempts wrote (no terminal)."""
+        raise NotImplementedError
+
+    def engine_figures(self) -> dict[str, Any]:
+        """The engine's part of the heartbeat hash."""
+        raise NotImplementedError
 
     def _every(self, name: str, seconds: float) -> bool:
         now = time.monotonic()
@@ -115,16 +146,8 @@ class WorkerLoop:
             await leases.trim_acknowledged(self.redis)
             await self.redis.zremrangebyscore(keys.REQUEST_INDEX, "-inf", time.time() - self.settings.dump_ttl)
 
-    def _capacity(self) -> int:
-        """Requests to claim now: room under `max_running`, while the block pool has a free block
-        (the blocks in use, not `max_model_len`, bound how many run)."""
-        sched = self.engine.scheduler
-        if not sched.pool.num_free:
-            return 0
-        return max(0, sched.max_running - len(sched.running) - len(sched.waiting))
-
     async def claim(self, *, block_ms: int | None) -> None:
-        count = self._capacity()
+        count = self.capacity()
         if count:
             for claimed in await leases.claim_new(self.redis, self.worker_id, count=count, block_ms=block_ms):
                 await self.take(claimed)
@@ -132,7 +155,7 @@ class WorkerLoop:
             await asyncio.sleep(block_ms / 1000)
 
     async def reclaim(self) -> None:
-        count = self._capacity()
+        count = self.capacity()
         if count:
             for claimed in await leases.reclaim_idle(self.redis, self.worker_id, count=count, lease_s=self.settings.lease_s):
                 log.warning("reclaimed request entry %s (delivery %d)", claimed.entry_id, claimed.deliveries)
@@ -167,8 +190,7 @@ class WorkerLoop:
         if self.crash_on and self.crash_on in request.raw_body:
             log.critical("fault injection: exiting hard on request %s (crash_on)", request.id)
             os._exit(70)
-        emitted = tuple(t for d in recorded for t in getattr(d, "token_ids", ()))
-        await self.publish(self.engine.add(request, attempt=attempt, resume=emitted))
+        await self.publish(self.start(request, attempt=attempt, recorded=recorded))
 
     async def unreadable(self, claimed: leases.Claimed, exc: Exception) -> None:
         """An entry that does not decode: dead-lettered and acknowledged; when it names its request, that
@@ -271,19 +293,7 @@ class WorkerLoop:
                 pipe.xadd(keys.FINISHED, {"id": rid, "outcome": outcome}, maxlen=100_000, approximate=True)
             await pipe.execute()
 
-    def _rates(self, now: float) -> tuple[float, float]:
-        """Prefill and decode tokens/s since the previous heartbeat."""
-        stats = self.engine.stats
-        then, prefill, decode = self._last_counts
-        self._last_counts = (now, stats.prefill_tokens, stats.decode_tokens)
-        span = max(now - then, 1e-6)
-        return (stats.prefill_tokens - prefill) / span, (stats.decode_tokens - decode) / span
-
     async def heartbeat(self) -> None:
-        stats = self.engine.stats
-        sched = self.engine.scheduler
-        grammars = self.engine.grammars
-        prefill_tps, decode_tps = self._rates(time.monotonic())
         figures: dict[Any, Any] = {
             **self.info,
             "pid": os.getpid(),
@@ -291,29 +301,7 @@ class WorkerLoop:
             "started": self.started,
             "heartbeat": time.time(),
             "draining": int(self.draining),
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "active": len(self.engine.active_ids()),
-            "batch_peak": stats.batch_peak,
-            "last_batch": stats.last_batch,
-            "steps": stats.steps,
-            "prefill_tokens": stats.prefill_tokens,
-            "decode_tokens": stats.decode_tokens,
-            "step_ms": round(stats.last_step_s * 1000, 2),
-            "mask_ms_total": round(getattr(self.engine.runner, "mask_s", 0.0) * 1000, 3),  # grammar masks (constrained rows only)
-            "masked_steps": getattr(self.engine.runner, "masked_steps", 0),
-            "masked_rows": getattr(self.engine.runner, "masked_rows", 0),
-            "grammar_compiles": grammars.compiles if grammars is not None else 0,
-            "grammar_cache_hits": grammars.hits if grammars is not None else 0,
-            "prefill_tps": round(prefill_tps, 1),
-            "decode_tps": round(decode_tps, 1),
-            "kv_used_tokens": sched.pool.num_used * sched.pool.block_size,
-            "kv_total_tokens": sched.pool.num_tokens,
-            "kv_blocks_used": sched.pool.num_used,
-            "prefix_cache_queries": sched.pool.queries,
-            "prefix_cache_hits": sched.pool.hits,
-            "running_peak": sched.running_peak,
-            "preemptions": sched.preemptions,
+            **self.engine_figures(),
             "finished": self.finished_total,
             "cancelled": self.cancelled_total,
             "stale_writes": self.stale_total,
@@ -340,6 +328,73 @@ class WorkerLoop:
             self.held.clear()
         await self.redis.zrem(keys.WORKERS_ALIVE, self.worker_id)
         await self.redis.delete(keys.worker_info(self.worker_id))
+
+
+class WorkerLoop(ClaimLoop[Engine]):
+    """A model worker: the torch `Engine`, one step at a time in a thread (so Redis I/O is not blocked
+    behind a forward); a resumed request continues from the token ids already emitted."""
+
+    def __init__(self, redis: Redis, engine: Engine, *, settings: Settings, worker_id: str, info: dict[str, str]) -> None:
+        super().__init__(redis, engine, settings=settings, worker_id=worker_id, info=info)
+        self._last_counts = (time.monotonic(), 0, 0)
+
+    async def run_step(self) -> list[Emission]:
+        try:
+            return await asyncio.to_thread(self.engine.step)
+        except Exception:
+            log.exception("engine step failed; ending the requests in flight with an error")
+            return self.engine.fail_all("The worker failed while generating this response.")
+
+    def capacity(self) -> int:
+        """Room under `max_running`, while the block pool has a free block (the blocks in use, not
+        `max_model_len`, bound how many run)."""
+        sched = self.engine.scheduler
+        if not sched.pool.num_free:
+            return 0
+        return max(0, sched.max_running - len(sched.running) - len(sched.waiting))
+
+    def start(self, request: Request, *, attempt: int, recorded: list[StreamDelta]) -> list[Emission]:
+        emitted = tuple(t for d in recorded for t in getattr(d, "token_ids", ()))
+        return self.engine.add(request, attempt=attempt, resume=emitted)
+
+    def _rates(self, now: float) -> tuple[float, float]:
+        """Prefill and decode tokens/s since the previous heartbeat."""
+        stats = self.engine.stats
+        then, prefill, decode = self._last_counts
+        self._last_counts = (now, stats.prefill_tokens, stats.decode_tokens)
+        span = max(now - then, 1e-6)
+        return (stats.prefill_tokens - prefill) / span, (stats.decode_tokens - decode) / span
+
+    def engine_figures(self) -> dict[str, Any]:
+        stats = self.engine.stats
+        sched = self.engine.scheduler
+        grammars = self.engine.grammars
+        prefill_tps, decode_tps = self._rates(time.monotonic())
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "active": len(self.engine.active_ids()),
+            "batch_peak": stats.batch_peak,
+            "last_batch": stats.last_batch,
+            "steps": stats.steps,
+            "prefill_tokens": stats.prefill_tokens,
+            "decode_tokens": stats.decode_tokens,
+            "step_ms": round(stats.last_step_s * 1000, 2),
+            "mask_ms_total": round(getattr(self.engine.runner, "mask_s", 0.0) * 1000, 3),  # grammar masks (constrained rows only)
+            "masked_steps": getattr(self.engine.runner, "masked_steps", 0),
+            "masked_rows": getattr(self.engine.runner, "masked_rows", 0),
+            "grammar_compiles": grammars.compiles if grammars is not None else 0,
+            "grammar_cache_hits": grammars.hits if grammars is not None else 0,
+            "prefill_tps": round(prefill_tps, 1),
+            "decode_tps": round(decode_tps, 1),
+            "kv_used_tokens": sched.pool.num_used * sched.pool.block_size,
+            "kv_total_tokens": sched.pool.num_tokens,
+            "kv_blocks_used": sched.pool.num_used,
+            "prefix_cache_queries": sched.pool.queries,
+            "prefix_cache_hits": sched.pool.hits,
+            "running_peak": sched.running_peak,
+            "preemptions": sched.preemptions,
+        }
 
 
 def _script_keys(rid: str) -> tuple[str, str, str, str]:

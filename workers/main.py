@@ -67,16 +67,31 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
 
 async def run_worker(settings: Settings) -> None:
     assert settings.redis_url, "a worker needs --redis-url"
-    engine, info = await asyncio.to_thread(build_engine, settings)
-    redis = Redis.from_url(settings.redis_url)
-    engine.sealer = await load_sealer(redis, keys.SEAL_KEY)
-    worker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
-    loop = WorkerLoop(redis, engine, settings=settings, worker_id=worker_id, info=info)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    worker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+    if settings.upstream:  # a gateway worker (workers/gateway.py): the model runs on the upstream
+        await _run_gateway(settings, worker_id=worker_id, stop=stop)
+        return
+    engine, info = await asyncio.to_thread(build_engine, settings)
+    redis = Redis.from_url(settings.redis_url)
+    engine.sealer = await load_sealer(redis, keys.SEAL_KEY)
+    loop = WorkerLoop(redis, engine, settings=settings, worker_id=worker_id, info=info)
     log.info("worker %s ready: %s", worker_id, info)
     try:
         await loop.run(stop)
+    finally:
+        await redis.aclose()
+
+
+async def _run_gateway(settings: Settings, *, worker_id: str, stop: asyncio.Event) -> None:
+    from workers.gateway import run_gateway
+
+    assert settings.redis_url
+    name = settings.served_model_name or (await asyncio.to_thread(local_folder, settings.model, settings.model_cache))[0]
+    redis = Redis.from_url(settings.redis_url)
+    try:
+        await run_gateway(redis, settings, worker_id=worker_id, model=name, stop=stop)
     finally:
         await redis.aclose()
