@@ -291,6 +291,7 @@ class GatewayLoop(ClaimLoop[Gateway]):
 
 async def run_gateway(redis: Any, settings: Settings, *, worker_id: str, model: str, stop: asyncio.Event) -> None:
     """Run a gateway worker until `stop` (workers/main.py)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per chunk request and health probe otherwise
     engine = Gateway(Upstream.from_settings(settings, model=model))
     info = {"model": model, "device": "upstream", "dtype": "", "model_impl": "gateway"}
     loop = GatewayLoop(redis, engine, settings=settings, worker_id=worker_id, info=info)

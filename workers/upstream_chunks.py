@@ -216,7 +216,7 @@ def _cut(attempt: int) -> Error:
 
 def upstream_error_message(payload: Any) -> str:
     """The message of an OpenAI-shaped error body (`{"error": {"message": …}}`, or `{"error": "…"}`), cut short."""
-    error = payload.get("error") if isinstance(payload, dict) else payload
+    error = payload.get("error", payload) if isinstance(payload, dict) else payload
     if isinstance(error, dict):
         error = error.get("message") or error.get("type") or error
     text = error if isinstance(error, str) else orjson.dumps(error).decode()
