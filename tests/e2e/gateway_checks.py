@@ -254,6 +254,12 @@ def check_upstream_killed_mid_stream(gateway: LiveServer, upstream: UpstreamProc
     body = ready(gateway).json()
     assert body["status"] == "upstream_unhealthy" and body["gateways"] and not body["gateways"][0]["healthy"]
     assert re.search(r"^met_upstream_healthy\{.*\} 0\.0$", httpx.get(gateway.base_url + "/metrics", timeout=10).text, re.MULTILINE)
+    # A request while the upstream is down waits --upstream-timeout for it, then fails with one error.
+    try:
+        oai(gateway).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        raise AssertionError("a request succeeded with the upstream down")
+    except openai.APIStatusError as exc:
+        assert "upstream is unavailable" in str(exc), exc
     upstream.restart()
     wait_for(lambda: ready(gateway).status_code == 200, timeout=60, what="/ready after the upstream restarted")
     check_each_protocol_answers(gateway)
@@ -352,3 +358,24 @@ def check_gateway_worker_killed_mid_stream(gateway: LiveServer) -> None:
     assert len(request_ids) == 1
     wait_for(lambda: ready(gateway).status_code == 200, timeout=120, what="a new gateway worker")
     check_each_protocol_answers(gateway)
+
+
+def check_client_disconnect_closes_the_upstream_request(gateway: LiveServer, upstream_server: LiveServer) -> None:
+    """A streaming client that goes away cancels its request; the gateway worker closes the upstream request,
+    which the upstream (our own met serve here) records as cancelled."""
+    from shared import keys
+
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 1500, "stream": True, **GREEDY}
+    before = set(upstream_server.redis().zrange(keys.REQUEST_INDEX, 0, -1))
+    with httpx.stream("POST", gateway.base_url + "/v1/chat/completions", json=payload, timeout=120) as response:
+        for line in response.iter_lines():
+            if '"content"' in line:
+                break  # leave mid-stream
+    upstream_ids: list[bytes] = []
+
+    def upstream_cancelled() -> bool:
+        upstream_ids[:] = [rid for rid in upstream_server.redis().zrange(keys.REQUEST_INDEX, 0, -1) if rid not in before]
+        outcomes = [upstream_server.redis().hget(keys.request_meta(rid.decode()), "outcome") for rid in upstream_ids]
+        return outcomes == [b"cancelled"]
+
+    wait_for(upstream_cancelled, timeout=120, what="the upstream to record its request as cancelled")

@@ -89,6 +89,11 @@ def test_a_gateway_requests_dump_re_encodes_to_the_bytes_its_client_received(gat
     checks.check_dump_and_encode_only(gateway, tmp_path)
 
 
+def test_a_client_that_leaves_mid_stream_gets_its_upstream_request_closed(gateway: LiveServer, upstream: MetUpstream) -> None:
+    assert upstream.server is not None
+    checks.check_client_disconnect_closes_the_upstream_request(gateway, upstream.server)
+
+
 def test_a_gateway_worker_killed_mid_stream_ends_the_request_with_one_error_and_no_duplicate(gateway: LiveServer) -> None:
     checks.check_gateway_worker_killed_mid_stream(gateway)
 
