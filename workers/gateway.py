@@ -11,7 +11,9 @@ Error; a stream that breaks after it began ends with one Error (the parser's cut
 and /metrics read it.
 
 `GatewayLoop` is `workers.loop.ClaimLoop` with this engine, so claims, leases, fenced writes, cancels,
-heartbeats and drain are the model worker's own. Crash resume: the upstream's generation cannot be
+heartbeats and drain are the model worker's own. Usage is the upstream's; where its stream carries none
+(llama-cpp-python's server ignores `include_usage`) it is estimated: the prompt as the API node rendered
+it, the output re-tokenized with the local tokenizer (`--model`), exactly max_tokens on a length finish. Crash resume: the upstream's generation cannot be
 resumed, and no upstream we run continues a partial assistant message for us, so a reclaimed request
 that had already written output ends with one Error (never a duplicate); one that had written nothing
 is sent again from the start.
@@ -23,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -31,7 +34,20 @@ from typing import Any
 import httpx
 import orjson
 
-from shared.deltas import Error, ErrorKind, Finish, FinishReason, StreamDelta, Usage, is_terminal
+from shared.deltas import (
+    Content,
+    Error,
+    ErrorKind,
+    Finish,
+    FinishReason,
+    Reasoning,
+    Refusal,
+    StreamDelta,
+    ToolCallArgs,
+    ToolCallStart,
+    Usage,
+    is_terminal,
+)
 from shared.ir import Request
 from shared.redact import redact_url
 from shared.settings import Settings
@@ -88,8 +104,9 @@ class GatewayStats:
 class Gateway:
     """The gateway worker's engine: upstream requests in flight, and the emissions they produced."""
 
-    def __init__(self, upstream: Upstream, *, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, upstream: Upstream, *, client: httpx.AsyncClient | None = None, count_tokens: Callable[[str], int] | None = None) -> None:
         self.upstream = upstream
+        self.count_tokens = count_tokens  # for usage when the upstream sends none: the local tokenizer (--model)
         headers = {"Authorization": f"Bearer {upstream.api_key}"} if upstream.api_key else {}
         limits = httpx.Limits(max_connections=upstream.max_inflight + 2, max_keepalive_connections=upstream.max_inflight)
         timeout = httpx.Timeout(upstream.request_timeout_s, connect=min(5.0, upstream.connect_timeout_s))
@@ -185,14 +202,15 @@ class Gateway:
                     if response.status_code >= 400:
                         await self._refused(request, attempt, response)
                         return
+                    texts: list[str] = []
                     try:
                         async for data in response.aiter_raw():
-                            self._put_all(request.id, parser.feed(data))
+                            self._put_all(request, parser, parser.feed(data), texts)
                             if parser.done:
                                 return
                     except httpx.HTTPError as exc:  # the connection broke mid-stream
                         self._note_failure(exc)
-                    self._put_all(request.id, parser.end())
+                    self._put_all(request, parser, parser.end(), texts)
                     return
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing was sent: safe to try again
                 self._note_failure(exc)
@@ -221,9 +239,25 @@ class Gateway:
     def _put(self, request_id: str, delta: StreamDelta) -> None:
         self._ready.put_nowait(Emission(request_id, delta))
 
-    def _put_all(self, request_id: str, deltas: list[StreamDelta]) -> None:
+    def _put_all(self, request: Request, parser: UpstreamStream, deltas: list[StreamDelta], texts: list[str]) -> None:
         for delta in deltas:
-            self._put(request_id, delta)
+            if isinstance(delta, Content | Reasoning | Refusal):
+                texts.append(delta.text)
+            elif isinstance(delta, ToolCallStart | ToolCallArgs):
+                texts.append(delta.name if isinstance(delta, ToolCallStart) else delta.arguments)
+            elif isinstance(delta, Finish) and not parser.saw_usage:
+                delta = replace(delta, usage=self._estimated_usage(request, delta, "".join(texts)))
+            self._put(request.id, delta)
+
+    def _estimated_usage(self, request: Request, finish: Finish, text: str) -> Usage:
+        """Usage for an upstream that sent none: the prompt as the API node rendered it, and the output
+        re-tokenized with the local tokenizer (exactly max_tokens when the upstream stopped there)."""
+        max_tokens = request.sampling.max_tokens
+        if finish.reason is FinishReason.LENGTH and max_tokens:
+            completion = max_tokens
+        else:
+            completion = self.count_tokens(text) if self.count_tokens is not None else 0
+        return Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=completion)
 
     # ---- health -------------------------------------------------------------------------------
 
@@ -289,10 +323,10 @@ class GatewayLoop(ClaimLoop[Gateway]):
         }
 
 
-async def run_gateway(redis: Any, settings: Settings, *, worker_id: str, model: str, stop: asyncio.Event) -> None:
+async def run_gateway(redis: Any, settings: Settings, *, worker_id: str, model: str, stop: asyncio.Event, count_tokens: Callable[[str], int] | None = None) -> None:
     """Run a gateway worker until `stop` (workers/main.py)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per chunk request and health probe otherwise
-    engine = Gateway(Upstream.from_settings(settings, model=model))
+    engine = Gateway(Upstream.from_settings(settings, model=model), count_tokens=count_tokens)
     info = {"model": model, "device": "upstream", "dtype": "", "model_impl": "gateway"}
     loop = GatewayLoop(redis, engine, settings=settings, worker_id=worker_id, info=info)
     await engine.probe()

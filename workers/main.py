@@ -10,6 +10,7 @@ import signal
 import socket
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -89,9 +90,20 @@ async def _run_gateway(settings: Settings, *, worker_id: str, stop: asyncio.Even
     from workers.gateway import run_gateway
 
     assert settings.redis_url
-    name = settings.served_model_name or (await asyncio.to_thread(local_folder, settings.model, settings.model_cache))[0]
+    name, folder = await asyncio.to_thread(local_folder, settings.model, settings.model_cache)
+    tokenizer = await asyncio.to_thread(_load_tokenizer, folder)  # only to estimate usage an upstream does not send
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
     redis = Redis.from_url(settings.redis_url)
     try:
-        await run_gateway(redis, settings, worker_id=worker_id, model=name, stop=stop)
+        await run_gateway(redis, settings, worker_id=worker_id, model=settings.served_model_name or name, stop=stop, count_tokens=count_tokens)
     finally:
         await redis.aclose()
+
+
+def _load_tokenizer(folder: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))

@@ -80,6 +80,11 @@ class UpstreamStream:
     _matched: str | None = None
     _usage: Usage | None = None
 
+    @property
+    def saw_usage(self) -> bool:
+        """The upstream sent a usage chunk (llama-cpp-python's server, for one, ignores `include_usage`)."""
+        return self._usage is not None
+
     def feed(self, data: bytes) -> list[StreamDelta]:
         out: list[StreamDelta] = []
         self._buffer += data

@@ -30,7 +30,7 @@ WEATHER = {
     "description": "Get the current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
-COUNT = "Count from 1 to 10, separated by commas: 1, 2, 3,"
+STOP_PROMPT = "Say hello."  # both upstreams' greedy answers have a "." early
 LONG = "Write a very long, detailed essay about the history of Paris, with many sections."
 
 
@@ -63,9 +63,9 @@ def check_openai_chat(gateway: LiveServer) -> None:
         final = stream.get_final_completion()
     assert final.choices[0].finish_reason == "stop" and final.choices[0].message.content
     assert final.usage is not None and final.usage.prompt_tokens > 0 and final.usage.completion_tokens > 0
-    stopped = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": COUNT}], max_tokens=40, stop=[" 6"], **GREEDY)  # type: ignore[arg-type]
+    stopped = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": STOP_PROMPT}], max_tokens=60, stop=["."], **GREEDY)  # type: ignore[arg-type]
     text = stopped.choices[0].message.content or ""
-    assert stopped.choices[0].finish_reason == "stop" and "5" in text and " 6" not in text, text
+    assert stopped.choices[0].finish_reason == "stop" and text and "." not in text, text
 
 
 def check_openai_chat_forced_tool_call(gateway: LiveServer) -> None:
@@ -97,11 +97,11 @@ def check_anthropic_messages(gateway: LiveServer) -> None:
         final = stream.get_final_message()
     assert final.stop_reason == "end_turn" and final.content[0].type == "text" and final.content[0].text
     assert final.usage.output_tokens > 0
-    with client.messages.stream(model=MODEL, max_tokens=40, messages=[{"role": "user", "content": COUNT}], stop_sequences=[" 6"], extra_body=GREEDY) as stream:
+    with client.messages.stream(model=MODEL, max_tokens=60, messages=[{"role": "user", "content": STOP_PROMPT}], stop_sequences=["."], extra_body=GREEDY) as stream:
         stopped = stream.get_final_message()
     text = stopped.content[0].text if stopped.content and stopped.content[0].type == "text" else ""
     # Neither Metrale nor llama.cpp says which stop matched (vLLM's `stop_reason` does): end_turn, text cut before it.
-    assert stopped.stop_reason in ("end_turn", "stop_sequence") and "5" in text and " 6" not in text, text
+    assert stopped.stop_reason in ("end_turn", "stop_sequence") and text and "." not in text, text
     tools: Any = [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]
     with client.messages.stream(
         model=MODEL,
