@@ -5,8 +5,8 @@ server (vLLM, SGLang, llama.cpp, Ollama, another Metrale).
 (the body from workers/upstream_request.py) through an httpx `AsyncClient`, feeds the bytes to the pure
 parser (workers/upstream_chunks.py) and queues what comes out; at most `--upstream-max-inflight` run at
 once. Cancelling a request (client gone, operator) cancels its task, which closes the upstream request.
-An upstream that cannot be reached is retried until `--upstream-timeout`, then the request fails with one
-Error; a stream that breaks after it began ends with one Error (the parser's cut). A health probe
+An upstream that cannot be reached (or dies before it answers) is retried until `--upstream-timeout`, then
+the request fails with one Error; a stream that breaks after it began ends with one Error (the parser's cut). A health probe
 (`GET {upstream}/models`) every few seconds puts `upstream_healthy` in the heartbeat: /ready, `met top`
 and /metrics read it.
 
@@ -99,6 +99,7 @@ class GatewayStats:
     healthy: bool = False
     checked_at: float = 0.0
     last_error: str = ""
+    last_data: float = 0.0  # monotonic time the last upstream bytes arrived
 
 
 class Gateway:
@@ -204,7 +205,8 @@ class Gateway:
                         return
                     texts: list[str] = []
                     try:
-                        async for data in response.aiter_raw():
+                        async for data in response.aiter_bytes():
+                            self.stats.last_data = time.monotonic()
                             self._put_all(request, parser, parser.feed(data), texts)
                             if parser.done:
                                 return
@@ -212,7 +214,7 @@ class Gateway:
                         self._note_failure(exc)
                     self._put_all(request, parser, parser.end(), texts)
                     return
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing was sent: safe to try again
+            except httpx.TransportError as exc:  # no response began (refused, or the upstream died first): safe to try again
                 self._note_failure(exc)
                 if time.monotonic() >= give_up:
                     message = f"The upstream is unavailable (no connection within {self.upstream.connect_timeout_s:g} s)."
@@ -262,7 +264,11 @@ class Gateway:
     # ---- health -------------------------------------------------------------------------------
 
     async def probe(self) -> bool:
-        """`GET {upstream}/models`: healthy when it answers 200."""
+        """`GET {upstream}/models`: healthy when it answers 200. While streams are flowing (bytes within
+        the last probe period) they are the proof, and the upstream is left alone."""
+        if self._tasks and time.monotonic() - self.stats.last_data < PROBE_EVERY_S:
+            self.stats.healthy, self.stats.last_error, self.stats.checked_at = True, "", time.time()
+            return True
         try:
             response = await self.client.get("/models", timeout=2.0)
             healthy, error = response.status_code == 200, "" if response.status_code == 200 else f"HTTP {response.status_code}"

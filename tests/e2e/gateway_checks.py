@@ -239,17 +239,29 @@ def ready(gateway: LiveServer) -> httpx.Response:
     return httpx.get(gateway.base_url + "/ready", timeout=5)
 
 
-def check_upstream_killed_mid_stream(gateway: LiveServer, upstream: UpstreamProcess) -> None:
+def check_upstream_killed_mid_stream(gateway: LiveServer, upstream: UpstreamProcess, *, all_at_once: bool = True) -> None:
     """Kill the upstream while a stream of each protocol runs: each client gets exactly one error event in its
-    shape; /ready turns 503 (upstream unhealthy) and /metrics shows it; after the upstream restarts, requests succeed."""
+    shape; /ready turns 503 (upstream unhealthy), /metrics shows it, a request meanwhile fails after
+    --upstream-timeout; after the upstream restarts, requests succeed. `all_at_once` False: one protocol per kill,
+    for an upstream that runs one request at a time (llama-cpp-python's server)."""
     streams = long_streams(gateway)
-    for stream in streams.values():
-        stream.start()
-    for protocol, stream in streams.items():
-        assert stream.started.wait(180), f"{protocol}: no content before the kill"
-    upstream.kill()
-    for protocol, stream in streams.items():
-        assert_one_error(protocol, stream.join())
+    rounds = [list(streams)] if all_at_once else [[protocol] for protocol in streams]
+    for i, protocols in enumerate(rounds):
+        for protocol in protocols:
+            streams[protocol].start()
+        for protocol in protocols:
+            assert streams[protocol].started.wait(180), f"{protocol}: no content before the kill"
+        upstream.kill()
+        for protocol in protocols:
+            assert_one_error(protocol, streams[protocol].join())
+        if i == 0:
+            check_upstream_down(gateway)
+        upstream.restart()
+        wait_for(lambda: ready(gateway).status_code == 200, timeout=60, what="/ready after the upstream restarted")
+        check_each_protocol_answers(gateway)
+
+
+def check_upstream_down(gateway: LiveServer) -> None:
     wait_for(lambda: ready(gateway).status_code == 503, timeout=60, what="/ready to report the upstream down")
     body = ready(gateway).json()
     assert body["status"] == "upstream_unhealthy" and body["gateways"] and not body["gateways"][0]["healthy"]
@@ -260,9 +272,6 @@ def check_upstream_killed_mid_stream(gateway: LiveServer, upstream: UpstreamProc
         raise AssertionError("a request succeeded with the upstream down")
     except openai.APIStatusError as exc:
         assert "upstream is unavailable" in str(exc), exc
-    upstream.restart()
-    wait_for(lambda: ready(gateway).status_code == 200, timeout=60, what="/ready after the upstream restarted")
-    check_each_protocol_answers(gateway)
 
 
 def check_each_protocol_answers(gateway: LiveServer) -> None:

@@ -47,6 +47,10 @@ def llamacpp_command(port: int) -> list[str]:
         "8192",
         "--n_threads",
         "2",
+        # Its default (True) cuts the running stream whenever another request arrives (a second client,
+        # or a gateway worker's health probe): a gateway in front needs it off.
+        "--interrupt_requests",
+        "False",
         "--host",
         "127.0.0.1",
         "--port",
