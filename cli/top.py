@@ -34,7 +34,7 @@ REFRESH_S = 1.0
 # The worker id is `<host>-<pid>-<hex>`, so host and pid need no columns of their own. Both tables are
 # built to fit a 140-column terminal: free-text cells are cut to CAPS, and the columns are rebuilt on
 # every refresh (a DataTable column only ever widens, so one long value would otherwise keep it wide).
-WORKER_COLUMNS = ("worker", "model", "device", "run/wait", "claimed", "KV tokens / upstream", "prefill/s", "decode/s", "heartbeat", "state")
+WORKER_COLUMNS = ("worker", "model", "device", "run/wait", "claimed", "KV tokens/upstream", "prefill/s", "decode/s", "heartbeat", "state")
 REQUEST_COLUMNS = ("request", "status", "protocol", "model", "worker", "age", "tokens", "tok/s", "client")
 CAPS = {"worker": 28, "model": 22, "device": 8, "client": 21, "request": 26, "upstream": 32}
 
