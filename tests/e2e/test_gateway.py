@@ -9,13 +9,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from cli.embedded_redis import free_port
+from cli.main import app
+from shared import keys
 
 from ..conftest import LiveServer, start_server, stop_server
 from . import gateway_checks as checks
 
 pytestmark = pytest.mark.e2e
+UPSTREAM_KEY = "sk-upstream-7f3a9c"  # the upstream requires it: every test here shows the gateway sends it
 
 
 class MetUpstream:
@@ -30,7 +34,7 @@ class MetUpstream:
 
     def start(self) -> None:
         self.runs += 1
-        self.server = start_server(self.root / f"run{self.runs}", "--workers", "1", "--drain-timeout", "2", port=self.port)
+        self.server = start_server(self.root / f"run{self.runs}", "--workers", "1", "--drain-timeout", "2", "--api-key", UPSTREAM_KEY, port=self.port)
 
     def kill(self) -> None:
         assert self.server is not None
@@ -55,7 +59,9 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MetUpstream]:
 
 @pytest.fixture(scope="module")
 def gateway(upstream: MetUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    args = ["--upstream", upstream.url, "--upstream-timeout", "5", "--lease", "3", "--drain-timeout", "2"]
+    key_file = tmp_path_factory.mktemp("secrets") / "upstream.key"
+    key_file.write_text(UPSTREAM_KEY + "\n")
+    args = ["--upstream", upstream.url, "--upstream-api-key-file", str(key_file), "--upstream-timeout", "5", "--lease", "3", "--drain-timeout", "2"]
     server = start_server(tmp_path_factory.mktemp("gateway"), *args)
     yield server
     stop_server(server)
@@ -92,6 +98,16 @@ def test_a_gateway_requests_dump_re_encodes_to_the_bytes_its_client_received(gat
 def test_a_client_that_leaves_mid_stream_gets_its_upstream_request_closed(gateway: LiveServer, upstream: MetUpstream) -> None:
     assert upstream.server is not None
     checks.check_client_disconnect_closes_the_upstream_request(gateway, upstream.server)
+
+
+def test_the_upstream_key_is_sent_but_never_logged_dumped_or_in_the_heartbeat(gateway: LiveServer, tmp_path: Path) -> None:
+    checks.check_each_protocol_answers(gateway)  # the upstream refuses requests without the key
+    exported = tmp_path / "all.jsonl"
+    ids = [m.decode() for m in gateway.redis().zrange(keys.REQUEST_INDEX, 0, -1)]
+    assert CliRunner().invoke(app, ["dump", "export", *ids, "-o", str(exported), "--redis-url", gateway.redis_url]).exit_code == 0
+    worker_hashes = [gateway.redis().hgetall(keys.worker_info(w.decode())) for w in gateway.redis().zrange(keys.WORKERS_ALIVE, 0, -1)]
+    for where, text in [("log", gateway.log()), ("dump", exported.read_text()), ("heartbeat", repr(worker_hashes))]:
+        assert UPSTREAM_KEY not in text, where
 
 
 def test_a_gateway_worker_killed_mid_stream_ends_the_request_with_one_error_and_no_duplicate(gateway: LiveServer) -> None:
