@@ -94,6 +94,15 @@ DefaultMinP = Annotated[float | None, typer.Option(help="min_p for requests that
 DefaultRepetitionPenalty = Annotated[float | None, typer.Option(help="repetition_penalty for requests that set none.")]
 DefaultMaxTokens = Annotated[int | None, typer.Option(help="max_tokens for requests that set none (default: up to the context length).")]
 LogFormat = Annotated[str | None, typer.Option(help="plain (default) or json: one JSON object a line, for log shippers.")]
+Upstream = Annotated[
+    str | None,
+    typer.Option(help="Serve through this upstream OpenAI-compatible server (its base URL, e.g. http://gpu-node:8000/v1): gateway workers instead of model workers."),
+]
+UpstreamModel = Annotated[str | None, typer.Option(help="The upstream's name for the model (default: the served model name).")]
+UpstreamApiKeyFile = Annotated[str | None, typer.Option(help="A file holding the upstream's API key (sent as a Bearer token; never logged or dumped).")]
+UpstreamMaxInflight = Annotated[int | None, typer.Option(help="Requests one gateway worker has open on the upstream at once.")]
+UpstreamTimeout = Annotated[float | None, typer.Option(help="Seconds a request waits for an unreachable upstream before it fails with an error.")]
+UpstreamFlavor = Annotated[str | None, typer.Option(help="vllm (default: send vLLM's extension sampling fields, top_k, min_p, ...) or openai (refuse them).")]
 DumpDir = Annotated[
     str | None,
     typer.Option(help="Also append every finished request (IR, deltas, timings; secrets redacted) to rotating JSONL files in this folder."),
@@ -109,6 +118,10 @@ def _settings(**overrides: object) -> Settings:
     choice = settings.generation_config
     if choice not in ("auto", "none") and not Path(choice).is_file():
         raise typer.BadParameter(f"{choice!r}: use auto, none or an existing generation_config.json file", param_hint="--generation-config")
+    if settings.upstream_flavor not in ("vllm", "openai"):
+        raise typer.BadParameter(f"{settings.upstream_flavor!r}: use vllm or openai", param_hint="--upstream-flavor")
+    if settings.upstream and not settings.upstream.startswith(("http://", "https://")):
+        raise typer.BadParameter(f"{settings.upstream!r}: an http(s) URL, e.g. http://127.0.0.1:8080/v1", param_hint="--upstream")
     logs.configure(settings.log_format)
     return settings
 
@@ -172,6 +185,12 @@ def serve(
     tool_parser: ToolParser = None,
     reasoning_parser: ReasoningParser = None,
     max_thinking_tokens: MaxThinkingTokens = None,
+    upstream: Upstream = None,
+    upstream_model: UpstreamModel = None,
+    upstream_api_key_file: UpstreamApiKeyFile = None,
+    upstream_max_inflight: UpstreamMaxInflight = None,
+    upstream_timeout: UpstreamTimeout = None,
+    upstream_flavor: UpstreamFlavor = None,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="On a terminal, log lines instead of the `met top` dashboard.")] = False,
 ) -> None:
     """Run everything: embedded Redis (unless --redis-url), the API and N workers. Ctrl-C stops all."""
@@ -212,6 +231,8 @@ def api(
     batch_max_inflight: BatchMaxInflight = None,
     batch_priority: BatchPriority = None,
     log_format: LogFormat = None,
+    upstream: Annotated[str | None, typer.Option(help="The workers are gateways to this upstream: refuse what its chat API cannot express.")] = None,
+    upstream_flavor: UpstreamFlavor = None,
 ) -> None:
     """Run only the API role against --redis-url (what compose and multi-node setups use)."""
     settings = _settings(**locals())
@@ -253,8 +274,14 @@ def worker(
     tool_parser: ToolParser = None,
     reasoning_parser: ReasoningParser = None,
     max_thinking_tokens: MaxThinkingTokens = None,
+    upstream: Upstream = None,
+    upstream_model: UpstreamModel = None,
+    upstream_api_key_file: UpstreamApiKeyFile = None,
+    upstream_max_inflight: UpstreamMaxInflight = None,
+    upstream_timeout: UpstreamTimeout = None,
+    upstream_flavor: UpstreamFlavor = None,
 ) -> None:
-    """Run one worker: claim requests from --redis-url, generate, append deltas."""
+    """Run one worker: claim requests from --redis-url, generate (or, with --upstream, stream from the upstream), append deltas."""
     settings = _settings(**locals())
     _check_tool_parser(settings)
     from workers.main import run_worker

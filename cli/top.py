@@ -34,9 +34,9 @@ REFRESH_S = 1.0
 # The worker id is `<host>-<pid>-<hex>`, so host and pid need no columns of their own. Both tables are
 # built to fit a 140-column terminal: free-text cells are cut to CAPS, and the columns are rebuilt on
 # every refresh (a DataTable column only ever widens, so one long value would otherwise keep it wide).
-WORKER_COLUMNS = ("worker", "model", "device", "run/wait", "claimed", "KV tokens", "prefill/s", "decode/s", "heartbeat", "state")
+WORKER_COLUMNS = ("worker", "model", "device", "run/wait", "claimed", "KV tokens/upstream", "prefill/s", "decode/s", "heartbeat", "state")
 REQUEST_COLUMNS = ("request", "status", "protocol", "model", "worker", "age", "tokens", "tok/s", "client")
-CAPS = {"worker": 28, "model": 22, "device": 8, "client": 21, "request": 26}
+CAPS = {"worker": 28, "model": 22, "device": 8, "client": 21, "request": 26, "upstream": 32}
 
 
 def fit(value: str, column: str) -> str:
@@ -255,11 +255,15 @@ class TopApp(App[None]):
             kv = f"{w.kv_used_tokens}/{w.kv_total_tokens}"
             if w.kv_total_tokens:
                 kv += f" ({100 * w.kv_used_tokens / w.kv_total_tokens:.0f}%)"
+            if w.upstream:  # a gateway worker: its upstream stands where the KV pool would
+                kv = fit(w.upstream, "upstream")
             state = (
                 Text("DEAD", style="bold red")
                 if w.dead
                 else Text("draining", style="yellow")
                 if w.draining
+                else Text("upstream down", style="bold red")
+                if not w.upstream_healthy
                 else Text("alive", style="green")
             )
             row = (fit(w.id, "worker"), fit(w.model, "model"), fit(w.device, "device"), f"{w.running}/{w.waiting}", str(w.claimed), kv)

@@ -55,6 +55,8 @@ class WorkerView:
     heartbeat_age: float | None  # seconds since its last heartbeat (from the alive zset when the hash is gone)
     dead: bool  # hash gone, or heartbeat older than the TTL, while still in the alive set
     draining: bool  # stopping: claims nothing new, finishing what it holds
+    upstream: str = ""  # a gateway worker's upstream (workers/gateway.py); "" for a model worker
+    upstream_healthy: bool = True  # a gateway worker: its upstream answered the last health probe
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -253,6 +255,8 @@ def _worker(
         heartbeat_age=age,
         dead=not h or age > ttl,
         draining=h.get("draining", "0") not in ("0", ""),
+        upstream=h.get("upstream", ""),
+        upstream_healthy=h.get("upstream_healthy", "1") == "1",
     )
 
 

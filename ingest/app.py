@@ -45,6 +45,7 @@ from ingest.errors import error_body, failure, status_for
 from ingest.limits import RateLimiter, parse_json, read_body
 from ingest.metrics import CONTENT_TYPE, Metrics
 from ingest.publish import admit, cancel, submit_all
+from ingest.readiness import readiness
 from ingest.responses_store import Saver
 from models.prompt import PromptRenderer
 from shared import keys
@@ -54,6 +55,7 @@ from shared.ir import ImagePart, Protocol, Request
 from shared.redact import redact
 from shared.seal import Sealer, load_sealer, open_reasoning
 from shared.settings import Settings
+from workers.upstream_request import check_expressible
 
 log = logging.getLogger("met.api")
 
@@ -96,7 +98,10 @@ class Api:
         attach token ids and the raw body."""
         if not self.renderer.info.vision and any(isinstance(p, ImagePart) for m in request.messages for p in m.content):
             raise invalid(f"The model {self.model_name} does not accept images.", "messages", "image_not_supported")
-        self.renderer.check_constraint(request, tool_parser=self.settings.tool_parser)
+        if self.settings.upstream:  # gateway workers: the upstream applies constraints; refuse what it cannot be told
+            check_expressible(request, flavor=self.settings.upstream_flavor)
+        else:
+            self.renderer.check_constraint(request, tool_parser=self.settings.tool_parser)
         request = open_reasoning(request, self.sealer)
         prompt = self.renderer.render(request)
         max_tokens = fit_max_tokens(request.protocol, len(prompt), request.sampling.max_tokens, self.context)
@@ -212,21 +217,8 @@ class Api:
         return json_response({"status": "ok"})
 
     async def ready(self, http: HttpRequest) -> Response:
-        """Redis reachable and at least one live, non-draining worker; 503 while this node drains."""
-        try:
-            await self.redis.ping()
-            alive: list[bytes] = await self.redis.zrangebyscore(keys.WORKERS_ALIVE, time.time() - self.settings.heartbeat_ttl, "+inf")  # type: ignore[assignment]
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for worker in alive:
-                    pipe.hget(keys.worker_info(worker.decode()), "draining")
-                draining = await pipe.execute()
-        except RedisError:
-            return json_response({"status": "unavailable", "redis": False, "workers": 0}, 503)
-        serving = sum(1 for flag in draining if flag not in (b"1", None))
-        if self.draining:
-            return json_response({"status": "draining", "redis": True, "workers": serving}, 503)
-        status = 200 if serving else 503
-        return json_response({"status": "ready" if serving else "no_workers", "redis": True, "workers": serving}, status)
+        body, status = await readiness(self.redis, heartbeat_ttl=self.settings.heartbeat_ttl, draining=self.draining)
+        return json_response(body, status)
 
     async def metrics_text(self, http: HttpRequest) -> Response:
         return Response(200, [(b"Cache-Control", b"no-cache")], Content(CONTENT_TYPE.encode(), await self.metrics.render()))

@@ -11,7 +11,8 @@ Owns: one `CollectorRegistry` per app (never the global default registry), holdi
   Prometheus' `rate()` treats that as a counter reset) summed over live workers' heartbeat hashes,
   constrained decoding (seconds spent on grammar masks, steps and rows masked, grammars compiled,
   matchers served from the compiled-grammar cache; counters of each worker's life as above),
-  live worker count, accepted-but-unfinished requests, dead letters. The async read happens in `render()`, just before the
+  live worker count, accepted-but-unfinished requests, dead letters, and each gateway worker's upstream
+  health (`met_upstream_healthy{worker, upstream}`). The async read happens in `render()`, just before the
   synchronous collect, so a scrape always shows Redis as it is now.
 Must not: change what a client receives (observing is pass-through), or hold request payloads.
 """
@@ -62,8 +63,10 @@ class ClusterFigures:
     grammar_cache_hits: int = 0
     inflight: int = 0
     dead_letters: int = 0
+    gateways: tuple[tuple[str, str, bool], ...] = ()  # (worker, upstream, healthy) of each live gateway worker
 
 
+_GATEWAY_FIELDS = ["upstream", "upstream_healthy"]
 _WORKER_FIELDS = [
     "running",
     "waiting",
@@ -85,7 +88,7 @@ async def read_cluster(redis: Redis, *, heartbeat_ttl: float) -> ClusterFigures:
         alive: list[bytes] = await redis.zrangebyscore(keys.WORKERS_ALIVE, time.time() - heartbeat_ttl, "+inf")  # type: ignore[assignment]
         async with redis.pipeline(transaction=False) as pipe:
             for worker in alive:
-                pipe.hmget(keys.worker_info(_text(worker)), _WORKER_FIELDS)
+                pipe.hmget(keys.worker_info(_text(worker)), [*_WORKER_FIELDS, *_GATEWAY_FIELDS])
             pipe.zcard(keys.INFLIGHT)
             pipe.xlen(keys.DEAD_LETTER)
             *hashes, inflight, dead = await pipe.execute()
@@ -94,13 +97,18 @@ async def read_cluster(redis: Redis, *, heartbeat_ttl: float) -> ClusterFigures:
         return ClusterFigures()
     sums = [0] * len(_WORKER_FIELDS)
     live = 0
-    for values in hashes:
-        if all(v is None for v in values):
+    gateways = []
+    for worker, row in zip(alive, hashes, strict=True):
+        values, (upstream, healthy) = row[: len(_WORKER_FIELDS)], row[len(_WORKER_FIELDS) :]
+        if all(v is None for v in row):
             continue  # the hash expired between the two reads
         live += 1
         for i, v in enumerate(values):
             sums[i] += _int(v)
-    return ClusterFigures(redis_up=True, workers=live, inflight=max(0, _int(inflight)), dead_letters=int(dead or 0), **dict(zip(_WORKER_FIELDS, sums, strict=True)))
+        if upstream is not None:
+            gateways.append((_text(worker), _text(upstream), healthy == b"1"))
+    figures = dict(zip(_WORKER_FIELDS, sums, strict=True))
+    return ClusterFigures(redis_up=True, workers=live, inflight=max(0, _int(inflight)), dead_letters=int(dead or 0), gateways=tuple(gateways), **figures)
 
 
 class ClusterCollector(Collector):
@@ -126,6 +134,12 @@ class ClusterCollector(Collector):
         yield CounterMetricFamily("met_grammar_cache_hits", "Constrained requests served a compiled grammar from the cache, summed over live workers.", value=f.grammar_cache_hits)
         yield _gauge("met_num_requests_inflight", "Accepted requests without a terminal event yet, cluster-wide (what admission limits).", f.inflight)
         yield _gauge("met_dead_letters", "Requests in the dead-letter stream (met:deadletter).", f.dead_letters)
+        health = GaugeMetricFamily(
+            "met_upstream_healthy", "Gateway workers (workers/gateway.py): 1 while the upstream answers the worker's health probe.", labels=["worker", "upstream"]
+        )
+        for worker, upstream, healthy in f.gateways:
+            health.add_metric([worker, upstream], 1 if healthy else 0)
+        yield health
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

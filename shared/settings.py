@@ -70,6 +70,13 @@ class Settings:
     batch_max_inflight: int = 8  # lines of one batch queued or running at once (8: interactive TTFT p50 within 1.5x of idle, bench/batch_latency.py)
     batch_priority: int = 10  # scheduler priority of batch lines (interactive requests default to 0: lower runs sooner)
     batch_retention: int = 29 * 86400  # seconds files, batches and their results are kept (Anthropic keeps results 29 days)
+    # Gateway workers (workers/gateway.py): serve through an upstream OpenAI-compatible server instead of a model.
+    upstream: str = ""  # the upstream's base URL (…/v1); set: `met worker` / `met serve` run gateway workers
+    upstream_model: str = ""  # the upstream's name for the model (default: the served model name)
+    upstream_api_key_file: str = ""  # a file holding the upstream's API key (never logged, never dumped)
+    upstream_max_inflight: int = 16  # requests one gateway worker has open on the upstream at once
+    upstream_timeout: float = 30.0  # seconds a request waits for an unreachable upstream before it fails
+    upstream_flavor: str = "vllm"  # vllm (send vLLM's extension sampling fields) | openai (refuse them)
     log_format: str = "plain"  # plain (human lines) or json (one JSON object a line, for log shippers)
     # Sampling defaults (models/generation.py): a request's value → these flags → the generation config.
     generation_config: str = "auto"  # auto | none | a generation_config.json path

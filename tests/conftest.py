@@ -66,10 +66,12 @@ class LiveServer:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(data_dir: Path, *args: str, ready_timeout: float = 240.0, env: dict[str, str] | None = None, workers_ready: int = 1) -> LiveServer:
-    """Start `met serve` and wait until /ready reports `workers_ready` live workers."""
+def start_server(
+    data_dir: Path, *args: str, ready_timeout: float = 240.0, env: dict[str, str] | None = None, workers_ready: int = 1, port: int | None = None
+) -> LiveServer:
+    """Start `met serve` (on `port`, default a free one) and wait until /ready reports `workers_ready` live workers."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     log_path = data_dir / "serve.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--data-dir", str(data_dir), *args]

@@ -1,4 +1,4 @@
-"""The worker loop: all of a worker's Redis I/O around `Engine.step()`.
+"""The worker loop: all of a worker's Redis I/O around its engine's step.
 
 Each `step_once()`: claim new requests (and, every half lease, reclaim ones whose holder died),
 check cancel flags, run one engine step in a thread (so Redis I/O is not blocked behind a forward),
@@ -15,6 +15,12 @@ backoff. The fenced script skips deltas an earlier try already wrote (the reply 
 write: `Held.written`), so a retried write never duplicates an event. A request another worker took
 over meanwhile is refused by the fence and dropped here, as after any lost lease.
 The heartbeat (its own timer) reads only `figures`, handed over after each step, never the engine.
+
+`ClaimLoop` is the part every kind of worker shares (claims, leases, fenced writes, cancels,
+heartbeat, drain); a kind of worker is its engine plus four hooks: how many requests it can take
+(`capacity`), how it starts or resumes one (`start`), one step (`run_step`) and its heartbeat figures
+(`engine_figures`). `WorkerLoop` runs the model `Engine` (a step in a thread); workers/gateway.py's
+`GatewayLoop` runs requests on an upstream OpenAI-compatible server.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import socket
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -58,8 +64,21 @@ class Held:
     written: int = 0  # deltas of this attempt the fenced script has confirmed
 
 
-class WorkerLoop:
-    def __init__(self, redis: Redis, engine: Engine, *, settings: Settings, worker_id: str, info: dict[str, str]) -> None:
+class LoopEngine(Protocol):
+    """What `ClaimLoop` needs of any engine."""
+
+    def has_work(self) -> bool: ...
+    def active_ids(self) -> list[str]: ...
+    def cancel(self, request_id: str) -> list[Emission]: ...
+    def discard(self, request_id: str) -> None: ...
+    def fail_all(self, message: str) -> list[Emission]: ...
+
+
+E = TypeVar("E", bound=LoopEngine)
+
+
+class ClaimLoop(Generic[E]):
+    def __init__(self, redis: Redis, engine: E, *, settings: Settings, worker_id: str, info: dict[str, str]) -> None:
         self.redis = redis
         self.engine = engine
         self.settings = settings
@@ -74,13 +93,10 @@ class WorkerLoop:
         self.stale_total = 0
         self._fenced = redis.register_script(leases.FENCED_WRITE)
         self._due: dict[str, float] = defaultdict(float)
-        self._last_counts = (time.monotonic(), 0, 0)
         self.faults = fault_injection(settings)
-        if self.faults.fail_on:
-            engine.runner = FaultyRunner(engine.runner, self.faults)
         self.outbox: list[Emission] = []  # deltas not written yet (Redis did not answer), in order
         self.settle: dict[str, str] = {}  # request → outcome: terminal written, ack / feed not yet
-        self.figures: dict[str, float | int] = engine.figures()  # handed over after each step (heartbeat)
+        self.figures: dict[str, Any] = {}  # the engine's figures, handed over by the hooks (heartbeat)
         self.redis_down_since: float | None = None
         self.redis_outages = 0
         self._backoff = 0.0
@@ -132,13 +148,7 @@ class WorkerLoop:
             except RedisError as exc:
                 self._lost(exc)
         if self.engine.has_work():
-            try:
-                emissions, self.figures = await asyncio.to_thread(self._step)
-            except Exception:  # outside the runner (which the engine isolates): the engine's own books
-                log.exception("engine step failed; ending the requests in flight with an error")
-                emissions = self.engine.fail_all("The worker failed while generating this response.")
-                self.figures = self.engine.figures()
-            self.outbox.extend(emissions)
+            self.outbox.extend(await self.run_step())
         elif not self.redis_up():
             await asyncio.sleep(min(0.2, max(0.0, self._retry_at - time.monotonic())))
         if self.redis_up():
@@ -147,10 +157,6 @@ class WorkerLoop:
                 await self.periodic()
             except RedisError as exc:
                 self._lost(exc)
-
-    def _step(self) -> tuple[list[Emission], dict[str, float | int]]:
-        """In the step thread: the step's emissions and the figures after it."""
-        return self.engine.step(), self.engine.figures()
 
     def redis_up(self) -> bool:
         """Whether to talk to Redis now: always, except between tries while it does not answer."""
@@ -176,6 +182,24 @@ class WorkerLoop:
         log.warning("redis is back after %.1f s; %d request(s) in flight carried on", time.monotonic() - self.redis_down_since, len(self.held))
         self.redis_down_since, self._backoff = None, 0.0
 
+    # ---- the hooks a kind of worker fills in -----------------------------------------------------
+
+    async def run_step(self) -> list[Emission]:
+        """One engine step's emissions."""
+        raise NotImplementedError
+
+    def capacity(self) -> int:
+        """Requests to claim now."""
+        raise NotImplementedError
+
+    def start(self, request: Request, *, attempt: int, recorded: list[StreamDelta]) -> list[Emission]:
+        """Hand a claimed request to the engine; `recorded` holds what earlier attempts wrote (no terminal)."""
+        raise NotImplementedError
+
+    def engine_figures(self) -> dict[str, Any]:
+        """The engine's part of the heartbeat hash."""
+        raise NotImplementedError
+
     def _every(self, name: str, seconds: float) -> bool:
         now = time.monotonic()
         if now < self._due[name]:
@@ -197,16 +221,8 @@ class WorkerLoop:
             await leases.trim_acknowledged(self.redis)
             await self.redis.zremrangebyscore(keys.REQUEST_INDEX, "-inf", time.time() - self.settings.dump_ttl)
 
-    def _capacity(self) -> int:
-        """Requests to claim now: room under `max_running`, while the block pool has a free block
-        (the blocks in use, not `max_model_len`, bound how many run)."""
-        sched = self.engine.scheduler
-        if not sched.pool.num_free:
-            return 0
-        return max(0, sched.max_running - len(sched.running) - len(sched.waiting))
-
     async def claim(self, *, block_ms: int | None) -> None:
-        count = self._capacity()
+        count = self.capacity()
         if count:
             for claimed in await leases.claim_new(self.redis, self.worker_id, count=count, block_ms=block_ms):
                 await self.take(claimed)
@@ -214,7 +230,7 @@ class WorkerLoop:
             await asyncio.sleep(block_ms / 1000)
 
     async def reclaim(self) -> None:
-        count = self._capacity()
+        count = self.capacity()
         if count:
             for claimed in await leases.reclaim_idle(self.redis, self.worker_id, count=count, lease_s=self.settings.lease_s):
                 log.warning("reclaimed request entry %s (delivery %d)", claimed.entry_id, claimed.deliveries)
@@ -252,16 +268,14 @@ class WorkerLoop:
         if self.faults.crash_on and self.faults.crash_on in request.raw_body:
             log.critical("fault injection: exiting hard on request %s (crash_on)", request.id)
             os._exit(70)
-        emitted = tuple(t for d in recorded for t in getattr(d, "token_ids", ()))
         try:
             if self.faults.fails_add(request):
                 raise RuntimeError("fault injection: engine.add fails on this request")
-            started = self.engine.add(request, attempt=attempt, resume=emitted)
+            started = self.start(request, attempt=attempt, recorded=recorded)
         except Exception:  # this request alone: the others in the batch go on
             log.exception("request %s could not be added to the engine; ending it with an error", request.id)
             self.engine.discard(request.id)
             started = [Emission(request.id, Error(message=FAILED_ADD, kind=ErrorKind.INTERNAL, attempt=attempt))]
-        self.figures = self.engine.figures()
         await self.publish(started)
 
     async def unreadable(self, claimed: leases.Claimed, exc: Exception) -> None:
@@ -384,16 +398,7 @@ class WorkerLoop:
                 await pipe.execute()
         self.held.pop(rid, None)
 
-    def _rates(self, now: float) -> tuple[float, float]:
-        """Prefill and decode tokens/s since the previous heartbeat."""
-        done_prefill, done_decode = int(self.figures["prefill_tokens"]), int(self.figures["decode_tokens"])
-        then, prefill, decode = self._last_counts
-        self._last_counts = (now, done_prefill, done_decode)
-        span = max(now - then, 1e-6)
-        return (done_prefill - prefill) / span, (done_decode - decode) / span
-
     async def heartbeat(self) -> None:
-        prefill_tps, decode_tps = self._rates(time.monotonic())
         figures: dict[Any, Any] = {
             **self.info,
             **self.figures,
@@ -402,8 +407,7 @@ class WorkerLoop:
             "started": self.started,
             "heartbeat": time.time(),
             "draining": int(self.draining),
-            "prefill_tps": round(prefill_tps, 1),
-            "decode_tps": round(decode_tps, 1),
+            **self.engine_figures(),
             "finished": self.finished_total,
             "cancelled": self.cancelled_total,
             "stale_writes": self.stale_total,
@@ -437,6 +441,59 @@ class WorkerLoop:
         for rid, _ in left:
             self.engine.discard(rid)
         self.held.clear()
+
+
+class WorkerLoop(ClaimLoop[Engine]):
+    """A model worker: the torch `Engine`, one step at a time in a thread (so Redis I/O is not blocked
+    behind a forward); a resumed request continues from the token ids already emitted."""
+
+    def __init__(self, redis: Redis, engine: Engine, *, settings: Settings, worker_id: str, info: dict[str, str]) -> None:
+        super().__init__(redis, engine, settings=settings, worker_id=worker_id, info=info)
+        self._last_counts = (time.monotonic(), 0, 0)
+        if self.faults.fail_on:
+            engine.runner = FaultyRunner(engine.runner, self.faults)
+        self.figures = engine.figures()
+
+    async def run_step(self) -> list[Emission]:
+        try:
+            emissions, self.figures = await asyncio.to_thread(self._step)
+        except Exception:  # outside the runner (which the engine isolates): the engine's own books
+            log.exception("engine step failed; ending the requests in flight with an error")
+            emissions = self.engine.fail_all("The worker failed while generating this response.")
+            self.figures = self.engine.figures()
+        return emissions
+
+    def _step(self) -> tuple[list[Emission], dict[str, Any]]:
+        """In the step thread: the step's emissions and the figures after it."""
+        return self.engine.step(), self.engine.figures()
+
+    def capacity(self) -> int:
+        """Room under `max_running`, while the block pool has a free block (the blocks in use, not
+        `max_model_len`, bound how many run)."""
+        sched = self.engine.scheduler
+        if not sched.pool.num_free:
+            return 0
+        return max(0, sched.max_running - len(sched.running) - len(sched.waiting))
+
+    def start(self, request: Request, *, attempt: int, recorded: list[StreamDelta]) -> list[Emission]:
+        emitted = tuple(t for d in recorded for t in getattr(d, "token_ids", ()))
+        started = self.engine.add(request, attempt=attempt, resume=emitted)
+        self.figures = self.engine.figures()  # no step runs now: between steps, on the loop
+        return started
+
+    def _rates(self, now: float) -> tuple[float, float]:
+        """Prefill and decode tokens/s since the previous heartbeat."""
+        done_prefill, done_decode = int(self.figures["prefill_tokens"]), int(self.figures["decode_tokens"])
+        then, prefill, decode = self._last_counts
+        self._last_counts = (now, done_prefill, done_decode)
+        span = max(now - then, 1e-6)
+        return (done_prefill - prefill) / span, (done_decode - decode) / span
+
+    def engine_figures(self) -> dict[str, Any]:
+        """The rates since the previous heartbeat, from the figures the step handed over (`figures`):
+        never the engine's tables, which the step thread may be changing meanwhile."""
+        prefill_tps, decode_tps = self._rates(time.monotonic())
+        return {"prefill_tps": round(prefill_tps, 1), "decode_tps": round(decode_tps, 1)}
 
 
 def _script_keys(rid: str) -> tuple[str, str, str, str]:

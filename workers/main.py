@@ -11,7 +11,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -81,14 +81,17 @@ def redis_client(url: str) -> Redis:
 
 async def run_worker(settings: Settings) -> None:
     assert settings.redis_url, "a worker needs --redis-url"
-    engine, info = await asyncio.to_thread(build_engine, settings)
-    redis = redis_client(settings.redis_url)
-    engine.sealer = await _until_redis_answers(lambda: load_sealer(redis, keys.SEAL_KEY))
-    worker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
-    loop = WorkerLoop(redis, engine, settings=settings, worker_id=worker_id, info=info)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    worker_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+    if settings.upstream:  # a gateway worker (workers/gateway.py): the model runs on the upstream
+        await _run_gateway(settings, worker_id=worker_id, stop=stop)
+        return
+    engine, info = await asyncio.to_thread(build_engine, settings)
+    redis = redis_client(settings.redis_url)
+    engine.sealer = await _until_redis_answers(lambda: load_sealer(redis, keys.SEAL_KEY))
+    loop = WorkerLoop(redis, engine, settings=settings, worker_id=worker_id, info=info)
     log.info("worker %s ready: %s", worker_id, info)
     try:
         await loop.run(stop)
@@ -106,3 +109,26 @@ async def _until_redis_answers(call: Callable[[], Awaitable[T]]) -> T:
             log.warning("redis unavailable (%s); retrying in %.1f s", type(exc).__name__, wait)
             await asyncio.sleep(wait)
             wait = min(wait * 2, 2.0)
+
+
+async def _run_gateway(settings: Settings, *, worker_id: str, stop: asyncio.Event) -> None:
+    from workers.gateway import run_gateway
+
+    assert settings.redis_url
+    name, folder = await asyncio.to_thread(local_folder, settings.model, settings.model_cache)
+    tokenizer = await asyncio.to_thread(_load_tokenizer, folder)  # only to estimate usage an upstream does not send
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    redis = redis_client(settings.redis_url)
+    try:
+        await run_gateway(redis, settings, worker_id=worker_id, model=settings.served_model_name or name, stop=stop, count_tokens=count_tokens)
+    finally:
+        await redis.aclose()
+
+
+def _load_tokenizer(folder: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
