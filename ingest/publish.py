@@ -3,35 +3,38 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from ingest.auth import ANONYMOUS
 from shared import keys
 from shared.codec import VERSION, encode_request
 from shared.ir import Request
 
 CANCEL_TTL = 3600
+OWNER = "owner"  # the request meta field naming the caller id that made it (ingest.auth.owns)
 
 
-async def submit(redis: Redis, request: Request) -> None:
+async def submit(redis: Redis, request: Request, *, owner: str = ANONYMOUS) -> None:
     """Record the request (IR, meta, index), create its empty delta stream (so that workers' NOMKSTREAM
     writes can never recreate an expired one), then XADD it (never MAXLEN: accepted work is never trimmed).
 
     A non-transactional pipeline keeps the order and stays valid on a Redis cluster, where these keys
     live in different slots."""
     async with redis.pipeline(transaction=False) as pipe:
-        _queue(pipe, request)
+        _queue(pipe, request, owner)
         await pipe.execute()
 
 
-async def submit_batch_line(redis: Redis, request: Request) -> None:
+async def submit_batch_line(redis: Redis, request: Request, *, owner: str = ANONYMOUS) -> None:
     """`submit` for a batch line, all or nothing (MULTI/EXEC), with its place in the queue counted:
     once the IR key exists the line is queued, so a dispatcher that restarts asks `is_queued` and never
     queues a line twice or loses one. (MULTI over these keys needs one Redis, not a cluster.)"""
     async with redis.pipeline(transaction=True) as pipe:
         pipe.incrby(keys.INFLIGHT, 1)
-        _queue(pipe, request)
+        _queue(pipe, request, owner)
         await pipe.execute()
 
 
@@ -39,14 +42,20 @@ async def is_queued(redis: Redis, request_id: str) -> bool:
     return bool(await redis.exists(keys.request_ir(request_id)))
 
 
-def _queue(pipe: Pipeline, request: Request) -> None:
+async def owner_of(redis: Redis, request_id: str) -> str | None:
+    """The caller id that made the request (None: unknown, expired, or queued before owners were recorded)."""
+    raw: Any = await redis.hget(keys.request_meta(request_id), OWNER)
+    return bytes(raw).decode() if raw is not None else None
+
+
+def _queue(pipe: Pipeline, request: Request, owner: str) -> None:
     encoded = encode_request(request)
     now = time.time()
     deltas = keys.delta_stream(request.id)
     pipe.set(keys.request_ir(request.id), encoded)
     pipe.hset(
         keys.request_meta(request.id),
-        mapping={"status": "queued", "protocol": request.protocol.value, "model": request.model, "endpoint": request.endpoint, "received_at": now},
+        mapping={"status": "queued", "protocol": request.protocol.value, "model": request.model, "endpoint": request.endpoint, "received_at": now, OWNER: owner},
     )
     pipe.xadd(deltas, {"created": b"1"}, id="0-1")
     pipe.xtrim(deltas, maxlen=0, approximate=False)
