@@ -79,7 +79,7 @@ MaxJsonDepth = Annotated[int | None, typer.Option(help="Deepest JSON nesting a r
 MaxStoredRequestBytes = Annotated[
     int | None, typer.Option(help="Most bytes one request may store in Redis (its record, twice, for every n choice); more: 413 (0: no cap).")
 ]
-BodyTimeout = Annotated[float | None, typer.Option(help="Seconds a client may take to send a request body; slower: 408, connection closed (0: no limit).")]
+BodyTimeout = Annotated[float | None, typer.Option(help="Seconds a client may take to send a request body, plus 1 s per MiB received; slower: 408, connection closed (0: no limit).")]
 HeaderTimeout = Annotated[float | None, typer.Option(help="Seconds a connection may take to send a request's headers; slower: closed (0: no limit).")]
 MaxConnections = Annotated[int | None, typer.Option(help="Open HTTP connections per API node; a request past it gets 503 (0: no cap).")]
 TokenizeThreads = Annotated[int | None, typer.Option(help="Threads that render and tokenize prompts off the event loop.")]

@@ -3,8 +3,9 @@
 Owns:
 - the body read with a size cap (`Settings.max_body_bytes`): `Content-Length` is checked first, then
   the bytes actually read (a chunked body has no length), → 413 (`too_large`); and with a time cap
-  (`Settings.body_timeout`, for the whole body, so a client trickling bytes cannot hold a connection
-  and its buffer: slowloris) → 408 with `Connection: close`;
+  (`Settings.body_timeout` for the whole body, plus 1 s per MiB received, so a client trickling bytes
+  cannot hold a connection and its buffer (slowloris) while a big body at a fair rate passes) → 408
+  with `Connection: close`;
 - what one request may store in Redis (`Settings.max_stored_request_bytes`): its encoded record, which
   is written twice (the request's IR key and its request-stream entry), for every part (each `n`
   choice and prompt is its own request) → 413 naming the limit. The client's raw body (with any
@@ -50,24 +51,34 @@ def too_large(limit: int) -> ApiError:
     )
 
 
+BODY_MIN_RATE = 2**20  # bytes/s: a body arriving at least this fast is never cut off by the body deadline
+
+
 async def read_body(http: HttpRequest, max_bytes: int, *, timeout_s: float = 0.0) -> bytes:
     """The request body, or a 413 as soon as it is known to exceed `max_bytes` (declared or read), or a
-    408 when the whole of it has not arrived within `timeout_s` (0: no limit)."""
+    408 when it has not all arrived by its deadline (0: none): `timeout_s` from the start, plus 1 s for
+    each `BODY_MIN_RATE` bytes received (as Apache's mod_reqtimeout MinRate), so a trickle is cut off
+    after about `timeout_s` while a big body sent at a fair rate always makes it."""
     declared = http.get_first_header(b"content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
         raise too_large(max_bytes)
     body = bytearray()
     chunks: Any = http.stream()  # an async generator (blacksheep's stub says otherwise)
+    start = asyncio.get_running_loop().time()
     try:
-        async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
+        async with asyncio.timeout(start + timeout_s if timeout_s > 0 else None) as deadline:
             async for chunk in chunks:
                 if chunk:
                     body.extend(chunk)
                     if len(body) > max_bytes:
                         raise too_large(max_bytes)
+                    if timeout_s > 0:
+                        deadline.reschedule(start + timeout_s + len(body) / BODY_MIN_RATE)
     except TimeoutError:
+        elapsed = asyncio.get_running_loop().time() - start
         raise ApiError(
-            f"The request body did not arrive within {timeout_s:g} s ({len(body)} bytes received).",
+            f"The request body did not arrive in time: {len(body)} bytes in {elapsed:.0f} s (the limit: {timeout_s:g} s "
+            "plus 1 s per MiB received).",
             status=408,
             kind="timeout",
             code="request_timeout",

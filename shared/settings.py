@@ -60,7 +60,7 @@ class Settings:
     max_body_bytes: int = 32 * 2**20
     max_json_depth: int = 64
     max_stored_request_bytes: int = 16 * 2**20  # what one request may store in Redis (its record and queue entry, every n choice); more: 413
-    body_timeout: float = 30.0  # seconds a client may take to send a request body (slowloris); slower: 408 and the connection closed
+    body_timeout: float = 30.0  # seconds a client may take to send a request body, plus 1 s per MiB received (slowloris); slower: 408, connection closed
     header_timeout: float = 30.0  # seconds a connection may take to send a request's headers; slower: closed
     max_connections: int = 1024  # open HTTP connections per API node; a request on one past it: 503 (0: no cap)
     tokenize_threads: int = 2  # threads rendering and tokenizing prompts off the event loop (ingest.tokenizing)
