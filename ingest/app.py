@@ -77,7 +77,7 @@ class Api:
         self.limiter = RateLimiter(self.redis, settings)
         self.metrics = Metrics(self.redis, heartbeat_ttl=settings.heartbeat_ttl)
         self.followers = Followers()  # background responses being saved
-        self.tokenizing = Tokenizing(settings)  # prompt rendering off the event loop
+        self.tokenizing = Tokenizing(settings, renderer)  # prompt rendering off the event loop
         self.sealer: Sealer | None = None  # the deployment's reasoning seal (shared.seal), loaded on start
         self.context = ContextPolicy(
             context=renderer.info.max_model_len, strict=settings.strict_max_tokens, output_cap=settings.max_output_tokens
@@ -244,8 +244,7 @@ class Api:
         raw = await self.read_raw(http)
         request = anthropic_messages.parse_count_tokens(parse_json(raw, self.settings.max_json_depth), request_id=new_id(), created=time.time())
         await self.limiter.charge(caller_of(http), tokens=0)
-        tokens = await self.tokenizing.run(len(raw), partial(self.renderer.render, request))
-        return json_response({"input_tokens": len(tokens)})
+        return json_response({"input_tokens": await self.tokenizing.count(len(raw), request)})
 
     async def generate(self, http: HttpRequest, surface: Surface) -> Response:
         """The one flow every protocol shares: parse → session (the protocol's own state) → prepare → publish → answer."""

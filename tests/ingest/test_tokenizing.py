@@ -14,7 +14,7 @@ from shared.settings import Settings
 
 
 async def test_work_runs_on_another_thread_so_the_loop_keeps_turning() -> None:
-    lanes = Tokenizing(Settings())
+    lanes = Tokenizing(Settings(), renderer=None)
     release = threading.Event()
     job = asyncio.ensure_future(lanes.run(10, lambda: (release.wait(30), threading.get_ident())[1]))
     ticks = 0
@@ -27,7 +27,7 @@ async def test_work_runs_on_another_thread_so_the_loop_keeps_turning() -> None:
 
 
 async def test_a_large_body_past_the_queue_is_refused_while_small_ones_still_run() -> None:
-    lanes = Tokenizing(Settings(tokenize_queue=1))
+    lanes = Tokenizing(Settings(tokenize_queue=1), renderer=None)
     release = threading.Event()
     big = asyncio.ensure_future(lanes.run(LARGE_BODY_BYTES + 1, lambda: release.wait(30)))
     await asyncio.sleep(0.05)
