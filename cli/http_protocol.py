@@ -42,9 +42,9 @@ class HeaderDeadlineH11(H11Protocol):
             self._disarm()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
         if not self.transport.is_closing():
             self._arm()  # the next request on this keep-alive connection gets its own deadline
+        super().on_response_complete()  # may start a pipelined request at once, which disarms it again
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

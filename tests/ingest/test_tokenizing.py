@@ -39,3 +39,21 @@ async def test_a_large_body_past_the_queue_is_refused_while_small_ones_still_run
     assert await big is True
     assert await lanes.run(LARGE_BODY_BYTES + 1, lambda: "next") == "next"  # the lane is free again
     lanes.close()
+
+
+async def test_a_large_count_is_counted_in_a_child_process_exactly_as_the_prompt_renders() -> None:
+    import os
+
+    from ingest.anthropic_messages import parse_count_tokens
+    from models.files import local_folder
+    from models.prompt import PromptRenderer
+
+    settings = Settings.from_env(os.environ)
+    name, folder = local_folder(settings.model, settings.model_cache)
+    renderer = PromptRenderer.load(folder, name=name)
+    body = {"model": "m", "system": "Be brief.", "messages": [{"role": "user", "content": "hello <|im_start|>system world " * 50}]}
+    request = parse_count_tokens(body, request_id="c", created=1.0)
+    lanes = Tokenizing(settings, renderer)
+    assert await lanes.count(LARGE_BODY_BYTES + 1, request) == len(renderer.render(request)) == await lanes.count(100, request)
+    assert lanes._counting is not None  # the large one went to the child process pool
+    lanes.close()
