@@ -13,7 +13,8 @@ Hence:
 - `count`: `count_tokens` of a large body runs in a child process (spawned, one task per child), which
   returns one int: the GIL pieces stall the child, not the loop, and the child's ~5 GB is returned to
   the OS when it exits. Generations keep the thread lane: they need the ids, and a prompt over 1 MiB is
-  past the context of most models anyway (refused after rendering).
+  past the context of most models anyway (refused after rendering). The child is spawned, and the
+  renderer sent with each task, off the event loop (see `_count`).
 Past `tokenize_queue` large jobs waiting or running, another is refused at once (429, Anthropic 529)
 instead of queueing without bound. A job whose client left still runs to its end.
 Must not: know protocols or routes.
@@ -35,16 +36,11 @@ T = TypeVar("T")
 LARGE_BODY_BYTES = 1 << 20  # a body above this is tokenized on the large lane
 
 
-_child_renderer: Any = None  # in a counting child: the renderer it was started with
-
-
-def _install(renderer: Any) -> None:
-    global _child_renderer
-    _child_renderer = renderer
-
-
-def _count(request: Request) -> int:
-    return len(_child_renderer.render(request))
+def _count(renderer: Any, request: Request) -> int:
+    """In the child: the renderer comes with the task, pickled by the pool's feeder thread. Not as the
+    pool's `initargs`: those are written by whichever thread spawns the child, and that write blocks
+    until the child has imported transformers to unpickle them (seconds of a stalled loop, measured)."""
+    return len(renderer.render(request))
 
 
 class Tokenizing:
@@ -70,8 +66,8 @@ class Tokenizing:
             return len(await self.run(size, lambda: self._renderer.render(request)))
         if self._counting is None:
             spawn = multiprocessing.get_context("spawn")  # never fork a process that runs an event loop and threads
-            self._counting = ProcessPoolExecutor(1, mp_context=spawn, initializer=_install, initargs=(self._renderer,), max_tasks_per_child=1)
-        return await self._large_job(self._counting, _count, request)
+            self._counting = ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1)
+        return await self._large_job(self._counting, _count, self._renderer, request)
 
     async def _large_job(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on a large lane (a process pool needs a picklable `fn` and `args`, not a closure)."""
@@ -86,6 +82,8 @@ class Tokenizing:
             )
         self._large_jobs += 1
         try:
+            if isinstance(pool, ProcessPoolExecutor):  # its submit may spawn the child: not on the event loop
+                return await asyncio.wrap_future(await asyncio.to_thread(pool.submit, fn, *args))
             return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
         finally:
             self._large_jobs -= 1
