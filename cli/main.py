@@ -80,6 +80,14 @@ RateLimitTpm = Annotated[int | None, typer.Option(help="Tokens per minute per AP
 RateLimitPeriod = Annotated[float | None, typer.Option(help="Seconds in which an empty rate-limit bucket refills (60: the limits are per minute).")]
 MaxBodyBytes = Annotated[int | None, typer.Option(help="Largest request body, bytes (larger: 413).")]
 MaxJsonDepth = Annotated[int | None, typer.Option(help="Deepest JSON nesting a request body may have (deeper: 400).")]
+MaxStoredRequestBytes = Annotated[
+    int | None, typer.Option(help="Most bytes one request may store in Redis (its record, twice, for every n choice); more: 413 (0: no cap).")
+]
+BodyTimeout = Annotated[float | None, typer.Option(help="Seconds a client may take to send a request body, plus 1 s per MiB received; slower: 408, connection closed (0: no limit).")]
+HeaderTimeout = Annotated[float | None, typer.Option(help="Seconds a connection may take to send a request's headers; slower: closed (0: no limit).")]
+MaxConnections = Annotated[int | None, typer.Option(help="Open HTTP connections per API node; a request past it gets 503 (0: no cap).")]
+TokenizeThreads = Annotated[int | None, typer.Option(help="Threads that render and tokenize prompts off the event loop.")]
+TokenizeQueue = Annotated[int | None, typer.Option(help="Bodies over 1 MiB being tokenized (one at a time) or waiting; more: 429 / 529.")]
 MaxFileMb = Annotated[int | None, typer.Option(help="Largest file POST /v1/files accepts, MB (batch input files).")]
 BatchMaxInflight = Annotated[int | None, typer.Option(help="Lines of one batch queued or running at once; the rest wait, so interactive latency holds.")]
 BatchPriority = Annotated[int | None, typer.Option(help="Scheduler priority of batch lines (interactive requests: 0; lower runs sooner).")]
@@ -171,6 +179,12 @@ def serve(
     rate_limit_period: RateLimitPeriod = None,
     max_body_bytes: MaxBodyBytes = None,
     max_json_depth: MaxJsonDepth = None,
+    max_stored_request_bytes: MaxStoredRequestBytes = None,
+    body_timeout: BodyTimeout = None,
+    header_timeout: HeaderTimeout = None,
+    max_connections: MaxConnections = None,
+    tokenize_threads: TokenizeThreads = None,
+    tokenize_queue: TokenizeQueue = None,
     max_file_mb: MaxFileMb = None,
     batch_max_inflight: BatchMaxInflight = None,
     batch_priority: BatchPriority = None,
@@ -227,6 +241,12 @@ def api(
     rate_limit_period: RateLimitPeriod = None,
     max_body_bytes: MaxBodyBytes = None,
     max_json_depth: MaxJsonDepth = None,
+    max_stored_request_bytes: MaxStoredRequestBytes = None,
+    body_timeout: BodyTimeout = None,
+    header_timeout: HeaderTimeout = None,
+    max_connections: MaxConnections = None,
+    tokenize_threads: TokenizeThreads = None,
+    tokenize_queue: TokenizeQueue = None,
     max_file_mb: MaxFileMb = None,
     batch_max_inflight: BatchMaxInflight = None,
     batch_priority: BatchPriority = None,

@@ -24,6 +24,7 @@ import uvicorn
 
 from bus.connect import connect
 from cli.embedded_redis import EmbeddedRedis, detached
+from cli.http_protocol import with_header_timeout
 from cli.top_serve import Dashboard
 from shared import keys
 from shared.redact import redact_url
@@ -106,7 +107,16 @@ async def run_api(settings: Settings, before_exit: Callable[[], None] | None = N
         while api.open_streams and time.monotonic() < end:
             time.sleep(0.1)
 
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        http=with_header_timeout(settings.header_timeout),  # a deadline for request headers (cli/http_protocol.py)
+        limit_concurrency=settings.max_connections or None,  # past it uvicorn answers 503 (open connections counted)
+    )
     dumps = None
     if settings.dump_dir:  # --dump-dir: a background task follows met:finished (ingest/dump_writer.py)
         from ingest.dump_writer import DumpWriterTask

@@ -1,9 +1,11 @@
 """The HTTP app (blacksheep): routes, admission, and the hand-off to Redis and the encoders.
 
-Flow per request: auth (`guarded`, every route but /health and /ready) → read JSON within the size
-and depth limits → protocol parser → IR → render the prompt (token ids into the IR) → admission
-checks (rate limits, queue depth) → XADD → answer by tailing the request's delta stream (SSE or one
-JSON body), observed for /metrics. Every check happens before any SSE header; nothing invalid is XADDed.
+Flow per request: auth (`guarded`, every route but /health and /ready) → read JSON within the size,
+time and depth limits → protocol parser → IR → render the prompt (token ids into the IR; off the event
+loop, ingest.tokenizing) → admission checks (what it would store, rate limits, queue depth) → XADD →
+answer by tailing the request's delta stream (SSE or one JSON body), observed for /metrics. Every check
+happens before any SSE header; nothing invalid is XADDed. The protocols' rows are ingest/surfaces.py;
+resumed streams and the stored-response routes are ingest/resume_routes.py.
 """
 
 from __future__ import annotations
@@ -16,10 +18,9 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
-from typing import Protocol as Protocol_
 
 import orjson
 from blacksheep import Application, Content, Response
@@ -29,27 +30,23 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from bus.connect import connect
-from encoders import anthropic_messages as messages_enc
-from encoders import openai_chat as chat_enc
-from encoders import openai_completions as completions_enc
-from encoders import openai_responses as response_enc
-from encoders.fan_in import FanInEncoder
-from encoders.frames import Frame
 from encoders.wire import ClientLink, Numbered, Slotted, StreamEncoder, collect, fan_in, sse_events, sse_response, tail
-from ingest import anthropic_messages, openai_chat, openai_completions, openai_responses, responses_store, resume, tokenize
-from ingest.auth import ANONYMOUS, Authenticator
+from ingest import anthropic_messages, responses_store, resume, tokenize
+from ingest.auth import CALLER, Authenticator, caller_of
 from ingest.batch_dispatch import BatchDispatcher
 from ingest.batch_routes import BatchLines, BatchRoutes
 from ingest.context import ContextPolicy, fit_max_tokens
 from ingest.errors import error_body, failure, status_for
-from ingest.limits import RateLimiter, parse_json, read_body
+from ingest.limits import RateLimiter, check_stored_size, parse_json, read_body
 from ingest.metrics import CONTENT_TYPE, Metrics
 from ingest.publish import admit, cancel, submit_all
 from ingest.readiness import readiness
-from ingest.responses_store import Saver
+from ingest.resume_routes import Followers, ResponseRoutes, recording, resume_choices, resume_stream
+from ingest.surfaces import SURFACES, Surface
+from ingest.tokenizing import Tokenizing
 from models.prompt import PromptRenderer
 from shared import keys
-from shared.deltas import Error, StreamDelta, is_terminal
+from shared.deltas import StreamDelta
 from shared.errors import ApiError, invalid
 from shared.ir import ImagePart, Protocol, Request
 from shared.redact import redact
@@ -81,17 +78,24 @@ class Api:
         self.auth = Authenticator.from_settings(settings)
         self.limiter = RateLimiter(self.redis, settings)
         self.metrics = Metrics(self.redis, heartbeat_ttl=settings.heartbeat_ttl)
-        self._followers: set[asyncio.Task[None]] = set()  # background responses being saved
+        self.followers = Followers()  # background responses being saved
+        self.tokenizing = Tokenizing(settings, renderer)  # prompt rendering off the event loop
         self.sealer: Sealer | None = None  # the deployment's reasoning seal (shared.seal), loaded on start
         self.context = ContextPolicy(
             context=renderer.info.max_model_len, strict=settings.strict_max_tokens, output_cap=settings.max_output_tokens
         )
 
+    json = staticmethod(json_response)
+
     # ---- shared steps -------------------------------------------------------------------------
 
+    async def read_raw(self, http: HttpRequest) -> bytes:
+        """The body, within the size (413) and time (408) limits."""
+        return await read_body(http, self.settings.max_body_bytes, timeout_s=self.settings.body_timeout)
+
     async def read_json(self, http: HttpRequest) -> Any:
-        """The parsed body, within the size (413) and nesting (400) limits, checked before any parser runs."""
-        return parse_json(await read_body(http, self.settings.max_body_bytes), self.settings.max_json_depth)
+        """The parsed body, within the size (413), time (408) and nesting (400) limits, checked before any parser runs."""
+        return parse_json(await self.read_raw(http), self.settings.max_json_depth)
 
     def prepare(self, request: Request, body: Any) -> Request:
         """Render the prompt, fit it and `max_tokens` into the context (ingest.context: clamp or refuse), and
@@ -112,13 +116,22 @@ class Api:
             raw_body=orjson.dumps(redact(body)).decode(),
         )
 
+    def prepare_parts(self, surface: Surface, body: Any, request: Request) -> tuple[Request, list[Request]]:
+        """The first request a body becomes, prepared, and every part to queue (each `n` choice its own);
+        refused (413) when the parts would store more than `--max-stored-request-bytes`
+        (ingest.limits.check_stored_size). No I/O: runs on a tokenizing thread."""
+        requests = [self.prepare(r, body) for r in surface.expand(body, request, self.renderer)]
+        parts = [part for r in requests for part in fan_out(r)]
+        check_stored_size(parts, self.settings.max_stored_request_bytes)
+        return requests[0], parts
+
     async def charge(self, http: HttpRequest, parts: list[Request]) -> None:
         """Rate limits (ingest.limits): one request, and for each part its prompt plus the most it may generate."""
         limit = self.renderer.info.max_model_len
         tokens = sum(len(p.prompt_token_ids) + (p.sampling.max_tokens or limit - len(p.prompt_token_ids)) for p in parts)
-        await self.limiter.charge(str(_scope(http).get(CALLER, ANONYMOUS)), tokens=tokens)
+        await self.limiter.charge(caller_of(http), tokens=tokens)
 
-    async def publish(self, parts: list[Request]) -> None:
+    async def publish(self, parts: list[Request], *, owner: str) -> None:
         """Admit (queue depth) and XADD every part of a request, or refuse before anything is queued."""
         try:
             if not await admit(self.redis, [p.id for p in parts], self.settings.max_queue, request_timeout=self.settings.request_timeout):
@@ -129,7 +142,7 @@ class Api:
                     code="queue_full",
                     retry_after=1.0,
                 )
-            await submit_all(self.redis, parts)
+            await submit_all(self.redis, parts, owner=owner)
         except RedisError as exc:
             log.error("redis unavailable: %s", type(exc).__name__)
             raise ApiError("The request queue is unavailable; try again shortly.", status=503, kind="unavailable", code="queue_unavailable") from None
@@ -199,18 +212,6 @@ class Api:
     async def collect(self, http: HttpRequest, request: Request) -> list[StreamDelta]:
         return await collect(self.deltas(request, http), client=self.client_link(http, request))
 
-    def _follow(self, deltas: AsyncIterator[StreamDelta | None], request: Request, store: Saver | None) -> None:
-        """A background response's follower: reads its deltas to the end and saves it (no client waits)."""
-
-        async def follow() -> None:
-            seen = [d async for d in deltas if d is not None]
-            if store is not None:
-                await store(request, seen)
-
-        task = asyncio.create_task(follow())
-        self._followers.add(task)
-        task.add_done_callback(self._followers.discard)
-
     # ---- routes -------------------------------------------------------------------------------
 
     async def health(self, http: HttpRequest) -> Response:
@@ -237,54 +238,22 @@ class Api:
         return json_response(self.card())
 
     async def tokenize(self, http: HttpRequest) -> Response:
-        return json_response(tokenize.tokenize(self.renderer, await self.read_json(http)))
+        raw = await self.read_raw(http)
+        body = parse_json(raw, self.settings.max_json_depth)
+        return json_response(await self.tokenizing.run(len(raw), partial(tokenize.tokenize, self.renderer, body)))
 
     async def detokenize(self, http: HttpRequest) -> Response:
-        return json_response(tokenize.detokenize(self.renderer, await self.read_json(http)))
+        raw = await self.read_raw(http)
+        body = parse_json(raw, self.settings.max_json_depth)
+        return json_response(await self.tokenizing.run(len(raw), partial(tokenize.detokenize, self.renderer, body)))
 
     async def count_tokens(self, http: HttpRequest) -> Response:
-        request = anthropic_messages.parse_count_tokens(await self.read_json(http), request_id=new_id(), created=time.time())
-        return json_response({"input_tokens": len(self.renderer.render(request))})
-
-    async def get_response(self, http: HttpRequest) -> Response:
-        """The response (stored, or rebuilt while it runs); `?stream=true&starting_after=N` streams its
-        events after sequence number N, live or finished, as a client connected from the start got them."""
-        response_id = _route_value(http, "response_id")
-        if http.query.get("stream", [""])[0] != "true":
-            body, _ = await responses_store.load(self.redis, response_id)
-            return json_response(body)
-        recorded = await responses_store.live(self.redis, response_id)
-        if recorded is None:
-            raise ApiError(f"Response with id '{response_id}' has no stream to replay.", status=404, kind="not_found", code="response_not_found")
-        after = resume.event_position(http.query.get("starting_after", ["-1"])[0], "starting_after")
-        return await self.resume(http, RESPONSES, recorded[0].id, after, background=True)
-
-    async def cancel_response(self, http: HttpRequest) -> Response:
-        return json_response(await responses_store.cancel_background(self.redis, _route_value(http, "response_id")))
-
-    async def resume(self, http: HttpRequest, surface: Surface, request_id: str, after: int, *, background: bool = False) -> Response:
-        """The rest of a stream after event `after`, re-encoded from its first delta (any API node)."""
-        request = await resume.load(self.redis, request_id, surface.protocol)
-        if not (request.stream or background):
-            raise invalid(f"Request '{request_id}' was not streamed; nothing to resume.", "X-Request-Id", "not_a_stream")
-        await resume.attach(self.redis, request_id)
-        deltas = tail(self.redis, request_id, deadline=request.created + self.settings.request_timeout + 30)
-        detached = background or surface.background(orjson.loads(request.raw_body) if request.raw_body else {})
-        return self.stream(http, request, surface, deltas=deltas, skip=after, detached=detached)
-
-    async def resume_choices(
-        self, http: HttpRequest, surface: Surface, request_id: str, part_ids: list[str], last_event_id: str
-    ) -> Response:
-        """The rest of a stream of several choices: each choice re-encoded from its first delta."""
-        parts = [await resume.load(self.redis, part, surface.protocol) for part in part_ids]
-        skip = resume.event_positions(last_event_id, len(parts) + 1, "Last-Event-ID")
-        await resume.attach(self.redis, request_id)
-        return self.stream_choices(http, request_id, surface, parts, skip=skip)
-
-    async def delete_response(self, http: HttpRequest) -> Response:
-        response_id = _route_value(http, "response_id")
-        await responses_store.delete(self.redis, response_id, ttl=self.settings.response_ttl)
-        return json_response({"id": response_id, "object": "response", "deleted": True})
+        """Anthropic's token count. Charged one request against the caller's rate limit (the same buckets
+        as generations) before any tokenizing; counting generates nothing, so no tokens are charged."""
+        raw = await self.read_raw(http)
+        request = anthropic_messages.parse_count_tokens(parse_json(raw, self.settings.max_json_depth), request_id=new_id(), created=time.time())
+        await self.limiter.charge(caller_of(http), tokens=0)
+        return json_response({"input_tokens": await self.tokenizing.count(len(raw), request)})
 
     async def generate(self, http: HttpRequest, surface: Surface) -> Response:
         """The one flow every protocol shares: parse → session (the protocol's own state) → prepare → publish → answer."""
@@ -293,18 +262,19 @@ class Api:
             request_id, last_event_id = point
             part_ids = await resume.choices_of(self.redis, request_id)
             if part_ids:
-                return await self.resume_choices(http, surface, request_id, part_ids, last_event_id)
-            return await self.resume(http, surface, request_id, resume.event_position(last_event_id, "Last-Event-ID"))
-        body = await self.read_json(http)
-        request, store = await surface.session(self.redis, self.settings, body, surface.parse(body, request_id=new_id(), created=time.time()))
-        requests = [self.prepare(r, body) for r in surface.expand(body, request, self.renderer)]
-        request = requests[0]
-        parts = [part for r in requests for part in fan_out(r)]
+                return await resume_choices(self, http, surface, request_id, part_ids, last_event_id)
+            return await resume_stream(self, http, surface, request_id, resume.event_position(last_event_id, "Last-Event-ID"))
+        raw = await self.read_raw(http)
+        body = parse_json(raw, self.settings.max_json_depth)
+        caller = caller_of(http)
+        parsed = surface.parse(body, request_id=new_id(), created=time.time())
+        request, store = await surface.session(self.redis, self.settings, body, parsed, caller)
+        request, parts = await self.tokenizing.run(len(raw), partial(self.prepare_parts, surface, body, request))
         await self.charge(http, parts)
-        await self.publish(parts)
+        await self.publish(parts, owner=caller)
         background = surface.background(body)
         if background and not request.stream:
-            self._follow(self.deltas(request, http), request, store)
+            self.followers.follow(self.deltas(request, http), request, store)
             return json_response(responses_store.body_of(request, []))
         if request.stream and len(parts) > 1:
             await resume.record_choices(
@@ -312,7 +282,7 @@ class Api:
             )
             return self.stream_choices(http, request.id, surface, parts)
         if request.stream:
-            deltas = self.deltas(request, http) if store is None else _recording(self.deltas(request, http), partial(store, request))
+            deltas = self.deltas(request, http) if store is None else recording(self.deltas(request, http), partial(store, request))
             return self.stream(http, request, surface, deltas=deltas, detached=background)
         collected = await asyncio.gather(*(self.collect(http, part) for part in parts))
         accs = []
@@ -326,97 +296,6 @@ class Api:
         if store is not None:
             await store(request, collected[0])
         return json_response(surface.combine(request, accs))
-
-
-async def _recording(
-    deltas: AsyncIterator[StreamDelta | None], on_terminal: Callable[[list[StreamDelta]], Awaitable[None]]
-) -> AsyncIterator[StreamDelta | None]:
-    """Pass deltas through, and hand the whole list to `on_terminal` once the terminal one passed."""
-    seen: list[StreamDelta] = []
-    async for delta in deltas:
-        if delta is not None:
-            seen.append(delta)
-            if is_terminal(delta):
-                await on_terminal(seen)
-        yield delta
-
-
-class Accumulator(Protocol_):
-    @property
-    def error(self) -> Error | None: ...
-
-    def feed(self, delta: StreamDelta) -> None: ...
-    def body(self) -> dict[str, Any]: ...
-
-
-async def _no_session(_redis: Redis, _settings: Settings, _body: Any, request: Request) -> tuple[Request, Saver | None]:
-    return request, None
-
-
-async def _nothing() -> None:
-    return None
-
-
-def _no_ping(_: Any) -> Callable[[], list[Frame]]:
-    return lambda: []
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Surface:
-    """Everything that differs between protocols on the generation routes: the path, the parser, the
-    encoders, keep-alive, how n choices combine, and the protocol's own state around a generation
-    (`session`: e.g. Responses' stored conversations). A protocol is its parser, its encoder and its row here."""
-
-    protocol: Protocol
-    path: str
-    parse: Callable[..., Request]
-    stream_encoder: Callable[[Request], Any]
-    accumulator: Callable[[Request], Accumulator]
-    ping: Callable[[Any], Callable[[], list[Frame]]] = _no_ping
-    combine: Callable[[Request, list[Any]], dict[str, Any]] = lambda _request, accs: accs[0].body()
-    session: Callable[[Redis, Settings, Any, Request], Awaitable[tuple[Request, Saver | None]]] = _no_session
-    background: Callable[[Any], bool] = lambda _body: False  # answered at once, generated detached from the client
-    expand: Callable[[Any, Request, PromptRenderer], list[Request]] = lambda _body, request, _renderer: [request]  # e.g. one request per prompt
-    choices_encoder: Callable[[Request, list[Request]], FanInEncoder] | None = None  # a stream of several choices, where the protocol has them
-
-
-CHAT = Surface(
-    protocol=Protocol.OPENAI_CHAT,
-    path="/v1/chat/completions",
-    parse=openai_chat.parse,
-    stream_encoder=chat_enc.ChatStreamEncoder,
-    accumulator=chat_enc.ChatCompletionAccumulator,
-    combine=chat_enc.chat_completion_body,
-    choices_encoder=chat_enc.choices_encoder,
-)
-MESSAGES = Surface(
-    protocol=Protocol.ANTHROPIC_MESSAGES,
-    path="/v1/messages",
-    parse=anthropic_messages.parse,
-    stream_encoder=messages_enc.MessagesStreamEncoder,
-    accumulator=messages_enc.MessageAccumulator,
-    ping=lambda encoder: lambda: [encoder.ping()],
-)
-RESPONSES = Surface(
-    protocol=Protocol.OPENAI_RESPONSES,
-    path="/v1/responses",
-    parse=openai_responses.parse,
-    stream_encoder=response_enc.ResponsesStreamEncoder,
-    accumulator=response_enc.ResponseAccumulator,
-    session=responses_store.begin,
-    background=lambda body: isinstance(body, dict) and openai_responses.background_flag(body),
-)
-COMPLETIONS = Surface(
-    protocol=Protocol.OPENAI_COMPLETIONS,
-    path=openai_completions.ENDPOINT,
-    parse=openai_completions.parse,
-    stream_encoder=completions_enc.CompletionStreamEncoder,
-    accumulator=completions_enc.CompletionAccumulator,
-    combine=completions_enc.completion_body,
-    choices_encoder=completions_enc.choices_encoder,
-    expand=lambda body, request, renderer: openai_completions.per_prompt(body, request, renderer.decode),
-)
-SURFACES = (CHAT, MESSAGES, RESPONSES, COMPLETIONS)
 
 
 def _bind(handler: Callable[[HttpRequest, Surface], Awaitable[Response]], surface: Surface) -> Handler:
@@ -443,11 +322,12 @@ def fan_out(request: Request) -> list[Request]:
     ]
 
 
+async def _nothing() -> None:
+    return None
+
+
 def new_id() -> str:
     return secrets.token_hex(12)
-
-
-CALLER = "met.caller"  # ASGI scope key: the authenticated caller id (ingest.auth.caller_id), for rate limits
 
 
 def guarded(api: Api, protocol: Protocol | None, handler: Handler, *, public: bool = False) -> Handler:
@@ -469,6 +349,8 @@ def guarded(api: Api, protocol: Protocol | None, handler: Handler, *, public: bo
             headers = {"Retry-After": str(max(1, math.ceil(err.retry_after)))} if err.retry_after else {}
             if err.status == 401:
                 headers["WWW-Authenticate"] = "Bearer"
+            if err.status == 408:  # the body never fully arrived: the connection cannot carry another request
+                headers["Connection"] = "close"
             response = json_response(error_body(shape, err), status_for(shape, err), headers)
         except Exception:
             log.exception("unhandled error on %s", http.url.path)
@@ -494,7 +376,7 @@ def _protocol_of_path(http: HttpRequest) -> Protocol:
 
 def _add_batch_routes(app: Application, api: Api, lines: BatchLines) -> None:
     """Files, Batches and Message Batches (ingest/batch_routes.py); the dispatcher runs beside the app."""
-    routes = BatchRoutes(api, lines, caller=lambda http: str(_scope(http).get(CALLER, ANONYMOUS)))
+    routes = BatchRoutes(api, lines, caller=caller_of)
     openai, anthropic = Protocol.OPENAI_CHAT, Protocol.ANTHROPIC_MESSAGES
     table: list[tuple[str, str, Protocol, Handler]] = [
         ("POST", "/v1/files", openai, routes.upload_file),
@@ -530,9 +412,10 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     for surface in SURFACES:
         app.router.add_post(surface.path, guarded(api, surface.protocol, _bind(api.generate, surface)))
     app.router.add_post("/v1/messages/count_tokens", guarded(api, Protocol.ANTHROPIC_MESSAGES, api.count_tokens))
-    app.router.add_get("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, api.get_response))
-    app.router.add_delete("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, api.delete_response))
-    app.router.add_post("/v1/responses/:response_id/cancel", guarded(api, Protocol.OPENAI_RESPONSES, api.cancel_response))
+    stored = ResponseRoutes(api)
+    app.router.add_get("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, stored.get_response))
+    app.router.add_delete("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, stored.delete_response))
+    app.router.add_post("/v1/responses/:response_id/cancel", guarded(api, Protocol.OPENAI_RESPONSES, stored.cancel_response))
 
     lines = BatchLines(api, {s.protocol: s for s in SURFACES})
     _add_batch_routes(app, api, lines)
@@ -564,6 +447,7 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
         tasks[0].cancel()  # the seal loader, if Redis never came up
         await asyncio.gather(*tasks, return_exceptions=True)
         await api.redis.aclose()
+        api.tokenizing.close()
 
     app.on_start += start
     app.on_stop += close

@@ -9,6 +9,10 @@ the key — for rate-limit buckets and logs.
 With no key configured every route is open: `met serve` on 127.0.0.1 without keys is for local use.
 With any key configured every route but the public ones (/health, /ready) needs one; the app decides
 by the handler the router picked (see `ingest.app.guarded`), never by re-reading the path.
+Ownership: whatever a caller creates that others could name by id (stored responses, resumable streams,
+files, batches) records its caller id as owner; `owns` is the one rule: with auth off everyone owns
+everything (unchanged behaviour), with auth on only the creator does, and anyone else gets a 404, as
+OpenAI answers for another organisation's response (no hint that the id exists).
 Must not: log or store a key, or know routes.
 """
 
@@ -18,11 +22,24 @@ import hashlib
 import hmac
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from shared.errors import ApiError
 from shared.settings import Settings
 
 ANONYMOUS = "anonymous"  # the caller id when no key is configured (one shared rate-limit bucket)
+CALLER = "met.caller"  # ASGI scope key: the authenticated caller id (set by ingest.app.guarded)
+
+
+def caller_of(http: Any) -> str:
+    """The caller id `guarded` put in the request's scope (ANONYMOUS on public routes)."""
+    scope: Any = http.scope
+    return str((scope or {}).get(CALLER, ANONYMOUS))
+
+
+def owns(caller: str, owner: str | None) -> bool:
+    """Whether `caller` may see or change what `owner` created (see the module docstring)."""
+    return caller == ANONYMOUS or owner == caller
 
 
 def _digest(key: str) -> bytes:

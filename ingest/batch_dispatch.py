@@ -181,7 +181,7 @@ class BatchDispatcher:
             except ApiError as err:
                 await batch_jobs.record_result(self.redis, doc["id"], cid, outcome="errored", result=self.runner.refused(doc, line, rid, err))
                 continue
-            await submit_batch_line(self.redis, request)
+            await submit_batch_line(self.redis, request, owner=doc["owner"])
             job.inflight[rid] = cid
             job.requests[rid] = request
 

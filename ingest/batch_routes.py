@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import orjson
@@ -171,7 +172,9 @@ class BatchRoutes:
             data = await files.content(self.redis, file_id, owner=owner)
         except ApiError:
             raise invalid(f"Invalid 'input_file_id': no such file {file_id!r}.", "input_file_id", "invalid_file") from None
-        lines, errors = batch_jobs.openai_lines(data, endpoint=endpoint, check=lambda b: self.lines.check(endpoint, b), max_lines=self.settings.batch_max_lines)
+        check = partial(self.lines.check, endpoint)  # renders every line's prompt: on a tokenizing thread, not the event loop
+        work = partial(batch_jobs.openai_lines, data, endpoint=endpoint, check=check, max_lines=self.settings.batch_max_lines)
+        lines, errors = await self.api.tokenizing.run(len(data), work)
         record = {"protocol": OPENAI, "owner": owner, "endpoint": endpoint, "input_file_id": file_id, "completion_window": "24h", "metadata": metadata, "errors": errors}
         doc = await batch_jobs.create(self.redis, self.settings, record=record, lines=[] if errors else lines)
         return _json(batch_jobs.openai_view(doc, await batch_jobs.counts(self.redis, doc["id"])))

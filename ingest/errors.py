@@ -20,6 +20,7 @@ _OPENAI_TYPES = {
     "rate_limit": "rate_limit_error",
     "overloaded": "rate_limit_error",
     "too_large": "invalid_request_error",
+    "timeout": "invalid_request_error",
     "unavailable": "service_unavailable_error",
     "internal": "server_error",
 }
@@ -31,6 +32,7 @@ _ANTHROPIC_TYPES = {
     "rate_limit": "rate_limit_error",
     "overloaded": "overloaded_error",
     "too_large": "request_too_large",
+    "timeout": "timeout_error",
     "unavailable": "api_error",
     "internal": "api_error",
 }

@@ -2,7 +2,14 @@
 
 Owns:
 - the body read with a size cap (`Settings.max_body_bytes`): `Content-Length` is checked first, then
-  the bytes actually read (a chunked body has no length), → 413 (`too_large`);
+  the bytes actually read (a chunked body has no length), → 413 (`too_large`); and with a time cap
+  (`Settings.body_timeout` for the whole body, plus 1 s per MiB received, so a client trickling bytes
+  cannot hold a connection and its buffer (slowloris) while a big body at a fair rate passes) → 408
+  with `Connection: close`;
+- what one request may store in Redis (`Settings.max_stored_request_bytes`): its encoded record, which
+  is written twice (the request's IR key and its request-stream entry), for every part (each `n`
+  choice and prompt is its own request) → 413 naming the limit. The client's raw body (with any
+  unknown fields) is part of the record, so it is bounded too;
 - JSON parsing with a nesting cap (`Settings.max_json_depth`), measured iteratively on the parsed
   value (orjson itself stops at 1024 levels, so nothing recurses deeper), → 400 naming the path
   where the depth is exceeded, or "body";
@@ -20,7 +27,9 @@ Must not: parse protocol fields (the parsers do) or know routes.
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +39,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from shared import keys
+from shared.codec import encode_request
 from shared.errors import ApiError, invalid
+from shared.ir import Request
 from shared.settings import Settings
 
 
@@ -40,19 +51,54 @@ def too_large(limit: int) -> ApiError:
     )
 
 
-async def read_body(http: HttpRequest, max_bytes: int) -> bytes:
-    """The request body, or a 413 as soon as it is known to exceed `max_bytes` (declared or read)."""
+BODY_MIN_RATE = 2**20  # bytes/s: a body arriving at least this fast is never cut off by the body deadline
+
+
+async def read_body(http: HttpRequest, max_bytes: int, *, timeout_s: float = 0.0) -> bytes:
+    """The request body, or a 413 as soon as it is known to exceed `max_bytes` (declared or read), or a
+    408 when it has not all arrived by its deadline (0: none): `timeout_s` from the start, plus 1 s for
+    each `BODY_MIN_RATE` bytes received (as Apache's mod_reqtimeout MinRate), so a trickle is cut off
+    after about `timeout_s` while a big body sent at a fair rate always makes it."""
     declared = http.get_first_header(b"content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
         raise too_large(max_bytes)
     body = bytearray()
     chunks: Any = http.stream()  # an async generator (blacksheep's stub says otherwise)
-    async for chunk in chunks:
-        if chunk:
-            body.extend(chunk)
-            if len(body) > max_bytes:
-                raise too_large(max_bytes)
+    start = asyncio.get_running_loop().time()
+    try:
+        async with asyncio.timeout(start + timeout_s if timeout_s > 0 else None) as deadline:
+            async for chunk in chunks:
+                if chunk:
+                    body.extend(chunk)
+                    if len(body) > max_bytes:
+                        raise too_large(max_bytes)
+                    if timeout_s > 0:
+                        deadline.reschedule(start + timeout_s + len(body) / BODY_MIN_RATE)
+    except TimeoutError:
+        elapsed = asyncio.get_running_loop().time() - start
+        raise ApiError(
+            f"The request body did not arrive in time: {len(body)} bytes in {elapsed:.0f} s (the limit: {timeout_s:g} s "
+            "plus 1 s per MiB received).",
+            status=408,
+            kind="timeout",
+            code="request_timeout",
+        ) from None
     return bytes(body)
+
+
+def check_stored_size(parts: Sequence[Request], max_bytes: int) -> None:
+    """413 when queueing `parts` would store more than `max_bytes` in Redis (each part's record twice)."""
+    if max_bytes <= 0:
+        return
+    stored = 2 * sum(len(encode_request(part)) for part in parts)
+    if stored > max_bytes:
+        raise ApiError(
+            f"This request would store {stored} bytes ({len(parts)} part(s), each kept twice), more than the limit of "
+            f"{max_bytes} bytes per request (max_stored_request_bytes). Send a smaller body or fewer choices (n).",
+            status=413,
+            kind="too_large",
+            code="request_too_large",
+        )
 
 
 def parse_json(raw: bytes, max_depth: int) -> Any:

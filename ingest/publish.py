@@ -11,14 +11,16 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from bus.connect import is_cluster
+from ingest.auth import ANONYMOUS
 from shared import keys
 from shared.codec import QUEUED, STREAM_MARKER, Meta, encode_request, request_entry
 from shared.ir import Request
 
 CANCEL_TTL = 3600
+OWNER = Meta.OWNER  # the request meta field naming the caller id that made it (ingest.auth.owns)
 
 
-async def submit(redis: Redis, request: Request) -> None:
+async def submit(redis: Redis, request: Request, *, owner: str = ANONYMOUS) -> None:
     """Record the request (IR, meta, index), create its empty delta stream (so that workers' NOMKSTREAM
     writes can never recreate an expired one), then XADD it (never MAXLEN: accepted work is never trimmed).
 
@@ -27,17 +29,17 @@ async def submit(redis: Redis, request: Request) -> None:
     written first (one slot, one script) and the global ones after (bus.connect)."""
     if is_cluster(redis):
         encoded = encode_request(request)
-        await _record(redis, request, encoded)
+        await _record(redis, request, encoded, owner)
         async with redis.pipeline(transaction=False) as pipe:
             _enqueue(pipe, request, encoded)
             await pipe.execute()
         return
     async with redis.pipeline(transaction=False) as pipe:
-        _queue(pipe, request)
+        _queue(pipe, request, owner)
         await pipe.execute()
 
 
-async def submit_batch_line(redis: Redis, request: Request) -> None:
+async def submit_batch_line(redis: Redis, request: Request, *, owner: str = ANONYMOUS) -> None:
     """`submit` for a batch line, all or nothing (MULTI/EXEC), with its place in the queue counted:
     once the IR key exists the line is queued, so a dispatcher that restarts asks `is_queued` and never
     queues a line twice or loses one.
@@ -48,7 +50,7 @@ async def submit_batch_line(redis: Redis, request: Request) -> None:
     recorded once, by custom_id): at least once, never lost."""
     if is_cluster(redis):
         encoded = encode_request(request)
-        await _record(redis, request, b"")
+        await _record(redis, request, b"", owner)
         async with redis.pipeline(transaction=False) as pipe:
             pipe.zadd(keys.INFLIGHT, {request.id: time.time()})
             _enqueue(pipe, request, encoded)
@@ -57,7 +59,7 @@ async def submit_batch_line(redis: Redis, request: Request) -> None:
         return
     async with redis.pipeline(transaction=True) as pipe:
         pipe.zadd(keys.INFLIGHT, {request.id: time.time()})
-        _queue(pipe, request)
+        _queue(pipe, request, owner)
         await pipe.execute()
 
 
@@ -65,12 +67,18 @@ async def is_queued(redis: Redis, request_id: str) -> bool:
     return bool(await redis.exists(keys.request_ir(request_id)))
 
 
-def _queue(pipe: Pipeline, request: Request) -> None:
+async def owner_of(redis: Redis, request_id: str) -> str | None:
+    """The caller id that made the request (None: unknown, expired, or queued before owners were recorded)."""
+    raw: Any = await redis.hget(keys.request_meta(request_id), OWNER)
+    return bytes(raw).decode() if raw is not None else None
+
+
+def _queue(pipe: Pipeline, request: Request, owner: str) -> None:
     encoded = encode_request(request)
     now = time.time()
     deltas = keys.delta_stream(request.id)
     pipe.set(keys.request_ir(request.id), encoded)
-    meta = {Meta.STATUS: QUEUED, Meta.PROTOCOL: request.protocol.value, Meta.MODEL: request.model, Meta.ENDPOINT: request.endpoint, Meta.RECEIVED_AT: now}
+    meta = {Meta.STATUS: QUEUED, Meta.PROTOCOL: request.protocol.value, Meta.MODEL: request.model, Meta.ENDPOINT: request.endpoint, Meta.RECEIVED_AT: now, OWNER: owner}
     pipe.hset(keys.request_meta(request.id), mapping=meta)  # type: ignore[arg-type]
     pipe.xadd(deltas, STREAM_MARKER, id="0-1")
     pipe.xtrim(deltas, maxlen=0, approximate=False)
@@ -79,22 +87,22 @@ def _queue(pipe: Pipeline, request: Request) -> None:
 
 
 # The request's own keys, one slot (cluster path): KEYS ir, meta, deltas; ARGV encoded IR ('' = not
-# yet), protocol, model, endpoint, now. Creates the empty delta stream once (an empty stream stays a key).
+# yet), protocol, model, endpoint, now, owner. Creates the empty delta stream once (an empty stream stays a key).
 _MARKER_FIELD, _MARKER_VALUE = (str(v.decode() if isinstance(v, bytes) else v) for v in next(iter(STREAM_MARKER.items())))
 _RECORD = f"""
 if redis.call('EXISTS', KEYS[3]) == 0 then
   redis.call('XADD', KEYS[3], '0-1', '{_MARKER_FIELD}', '{_MARKER_VALUE}')
   redis.call('XTRIM', KEYS[3], 'MAXLEN', 0)
 end
-redis.call('HSET', KEYS[2], '{Meta.STATUS}', '{QUEUED}', '{Meta.PROTOCOL}', ARGV[2], '{Meta.MODEL}', ARGV[3], '{Meta.ENDPOINT}', ARGV[4], '{Meta.RECEIVED_AT}', ARGV[5])
+redis.call('HSET', KEYS[2], '{Meta.STATUS}', '{QUEUED}', '{Meta.PROTOCOL}', ARGV[2], '{Meta.MODEL}', ARGV[3], '{Meta.ENDPOINT}', ARGV[4], '{Meta.RECEIVED_AT}', ARGV[5], '{Meta.OWNER}', ARGV[6])
 if ARGV[1] ~= '' then redis.call('SET', KEYS[1], ARGV[1]) end
 return 1
 """
 
 
-async def _record(redis: Redis, request: Request, encoded: bytes) -> None:
+async def _record(redis: Redis, request: Request, encoded: bytes, owner: str) -> None:
     ids = (keys.request_ir(request.id), keys.request_meta(request.id), keys.delta_stream(request.id))
-    await redis.eval(_RECORD, 3, *ids, encoded, request.protocol.value, request.model, request.endpoint, time.time())
+    await redis.eval(_RECORD, 3, *ids, encoded, request.protocol.value, request.model, request.endpoint, time.time(), owner)
 
 
 def _enqueue(pipe: Any, request: Request, encoded: bytes) -> None:
@@ -126,13 +134,13 @@ async def release(redis: Redis, request_ids: list[str]) -> None:
         await redis.zrem(keys.INFLIGHT, *request_ids)
 
 
-async def submit_all(redis: Redis, parts: list[Request]) -> None:
+async def submit_all(redis: Redis, parts: list[Request], *, owner: str = ANONYMOUS) -> None:
     """`submit` each admitted part; on a Redis error give back the places of the parts not tried (best
     effort: what a failing Redis keeps, the sweep finds), and raise. The part that failed keeps its place:
     it may have been queued (a lost reply), and if not, the sweep removes it (its request never appears)."""
     for i, part in enumerate(parts):
         try:
-            await submit(redis, part)
+            await submit(redis, part, owner=owner)
         except RedisError:
             with contextlib.suppress(RedisError):
                 await release(redis, [p.id for p in parts[i + 1 :]])

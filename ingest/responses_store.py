@@ -6,7 +6,9 @@ carry over) plus the assistant turn the deltas produced. A response with no docu
 the background, or its API node died before saving it) is rebuilt from its recorded request and delta
 stream, the truth the document is made from, until the dump expires; a `store: false` one never is.
 Background responses (`background: true`) are saved by a follower task of the node that accepted them
-and can be cancelled while they run.
+and can be cancelled while they run. Every response belongs to the API key that created it (the document's
+`owner`, else the recorded request's): for any other key GET, DELETE, cancel, a stream replay and a
+`previous_response_id` naming it all answer 404, as OpenAI does (ingest.auth.owns).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from encoders.openai_responses import ResponseAccumulator, response_id
+from ingest.auth import owns
 from ingest.openai_responses import previous_response_id, store_flag
-from ingest.publish import cancel
+from ingest.publish import cancel, owner_of
 from shared import keys
 from shared.codec import VERSION, decode_request, deltas_of, message_from_dict, message_to_dict
 from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart, is_terminal
@@ -55,12 +58,12 @@ def assistant_turn(deltas: list[StreamDelta], custom: frozenset[str] = frozenset
     )
 
 
-async def save(redis: Redis, response_id: str, *, body: dict[str, Any], conversation: list[Message], ttl: int) -> None:
-    doc = {"v": VERSION, "body": body, "conversation": [message_to_dict(m) for m in conversation]}
+async def save(redis: Redis, response_id: str, *, body: dict[str, Any], conversation: list[Message], owner: str, ttl: int) -> None:
+    doc = {"v": VERSION, "body": body, "conversation": [message_to_dict(m) for m in conversation], "owner": owner}
     await redis.set(keys.stored_response(response_id), orjson.dumps(doc), ex=ttl)
 
 
-async def load(redis: Redis, response_id: str, *, param: str | None = None) -> tuple[dict[str, Any], list[Message]]:
+async def load(redis: Redis, response_id: str, *, caller: str, param: str | None = None) -> tuple[dict[str, Any], list[Message]]:
     """The response body and its conversation: the stored document, else rebuilt from the delta stream
     (a `previous_response_id` must name a finished one)."""
     raw = await redis.get(keys.stored_response(response_id))
@@ -68,8 +71,10 @@ async def load(redis: Redis, response_id: str, *, param: str | None = None) -> t
         raise _not_found(response_id, param)
     if raw is not None:
         doc = orjson.loads(raw)
+        if not owns(caller, doc.get("owner")):
+            raise _not_found(response_id, param)
         return doc["body"], [message_from_dict(m) for m in doc["conversation"]]
-    recorded = await live(redis, response_id)
+    recorded = await live(redis, response_id, caller=caller)
     if recorded is None:
         raise _not_found(response_id, param)
     request, deltas = recorded
@@ -78,11 +83,12 @@ async def load(redis: Redis, response_id: str, *, param: str | None = None) -> t
     return body_of(request, deltas), _conversation(request, deltas)
 
 
-async def live(redis: Redis, response_id: str) -> tuple[Request, list[StreamDelta]] | None:
-    """A stored response's recorded request and its deltas so far; None if unknown, expired or `store: false`."""
+async def live(redis: Redis, response_id: str, *, caller: str) -> tuple[Request, list[StreamDelta]] | None:
+    """A stored response's recorded request and its deltas so far; None if unknown, expired, `store: false`
+    or not `caller`'s."""
     rid = response_id.removeprefix("resp_")
     raw = await redis.get(keys.request_ir(rid))
-    if raw is None or rid == response_id:
+    if raw is None or rid == response_id or not owns(caller, await owner_of(redis, rid)):
         return None
     request = decode_request(raw)
     body = orjson.loads(request.raw_body) if request.raw_body else {}
@@ -103,9 +109,9 @@ def body_of(request: Request, deltas: list[StreamDelta]) -> dict[str, Any]:
     return body
 
 
-async def cancel_background(redis: Redis, response_id: str, *, wait_s: float = 10.0) -> dict[str, Any]:
+async def cancel_background(redis: Redis, response_id: str, *, caller: str, wait_s: float = 10.0) -> dict[str, Any]:
     """Cancel a running background response and return it once ended (or as it stands after `wait_s`)."""
-    recorded = await live(redis, response_id)
+    recorded = await live(redis, response_id, caller=caller)
     if recorded is None:
         raise _not_found(response_id, None)
     request, deltas = recorded
@@ -116,7 +122,7 @@ async def cancel_background(redis: Redis, response_id: str, *, wait_s: float = 1
         end = asyncio.get_running_loop().time() + wait_s
         while asyncio.get_running_loop().time() < end and not (deltas and is_terminal(deltas[-1])):
             await asyncio.sleep(0.1)
-            again = await live(redis, response_id)
+            again = await live(redis, response_id, caller=caller)
             deltas = again[1] if again is not None else deltas
     return body_of(request, deltas)
 
@@ -136,15 +142,13 @@ def _not_found(response_id: str, param: str | None) -> ApiError:
     return ApiError(f"Response with id '{response_id}' not found.", status=404, param=param, kind="not_found", code="response_not_found")
 
 
-async def delete(redis: Redis, response_id: str, *, ttl: int) -> None:
+async def delete(redis: Redis, response_id: str, *, caller: str, ttl: int) -> None:
     """Forget a response: a tombstone replaces its document, so it is not rebuilt from its deltas either."""
-    raw = await redis.get(keys.stored_response(response_id))
-    if raw == DELETED or (raw is None and await live(redis, response_id) is None):
-        raise _not_found(response_id, None)
+    await load(redis, response_id, caller=caller)  # 404 unless it exists and is the caller's
     await redis.set(keys.stored_response(response_id), DELETED, ex=ttl)
 
 
-async def begin(redis: Redis, settings: Settings, body: Any, parsed: Request) -> tuple[Request, Saver | None]:
+async def begin(redis: Redis, settings: Settings, body: Any, parsed: Request, caller: str) -> tuple[Request, Saver | None]:
     """The Responses session around one generation: `previous_response_id` puts the stored conversation
     before this request's messages; with `store` (the default) the returned saver keeps the finished
     response (for GET and a later `previous_response_id`): the whole conversation without this
@@ -152,7 +156,7 @@ async def begin(redis: Redis, settings: Settings, body: Any, parsed: Request) ->
     request = parsed
     previous = previous_response_id(body) if isinstance(body, dict) else None
     if previous is not None:
-        _, conversation = await load(redis, previous, param="previous_response_id")
+        _, conversation = await load(redis, previous, caller=caller, param="previous_response_id")
         request = replace(parsed, messages=(*conversation, *parsed.messages))
     if not isinstance(body, dict) or not store_flag(body):
         return request, None
@@ -165,7 +169,7 @@ async def begin(redis: Redis, settings: Settings, body: Any, parsed: Request) ->
         if acc.error is None:
             conversation = [m for m in final.messages if m is not instructions] + [assistant_turn(deltas, custom_tools(final))]
             try:
-                await save(redis, response_id(final), body=acc.body(), conversation=conversation, ttl=settings.response_ttl)
+                await save(redis, response_id(final), body=acc.body(), conversation=conversation, owner=caller, ttl=settings.response_ttl)
             except RedisError as exc:  # the client still gets its terminal event; GET rebuilds it from the deltas
                 log.error("could not store response %s: %s", response_id(final), type(exc).__name__)
 

@@ -22,7 +22,8 @@ from blacksheep import Request as HttpRequest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from ingest.publish import cancel
+from ingest.auth import owns
+from ingest.publish import cancel, owner_of
 from shared import keys
 from shared.codec import decode_request
 from shared.errors import ApiError, invalid
@@ -76,10 +77,11 @@ async def choices_of(redis: Redis, request_id: str) -> list[str] | None:
     return None if raw is None else [str(part) for part in orjson.loads(raw)]
 
 
-async def load(redis: Redis, request_id: str, protocol: Protocol) -> Request:
-    """The recorded request behind a stream to resume (404 once its dump has expired)."""
+async def load(redis: Redis, request_id: str, protocol: Protocol, *, caller: str) -> Request:
+    """The recorded request behind a stream to resume (404 once its dump has expired, or when `caller`
+    did not make it: the same answer, so another key learns nothing of the id)."""
     raw = await redis.get(keys.request_ir(request_id))
-    if raw is None:
+    if raw is None or not owns(caller, await owner_of(redis, request_id)):
         raise ApiError(f"No stream '{request_id}' to resume: it never existed or finished too long ago.", status=404, kind="not_found", code="stream_not_found")
     request = decode_request(raw)
     if request.protocol is not protocol:

@@ -233,6 +233,7 @@ class Meta:
     MODEL = "model"
     ENDPOINT = "endpoint"
     RECEIVED_AT = "received_at"
+    OWNER = "owner"  # the caller id (an API key's digest) that made it: ingest.auth.owns scopes resume and stored responses
     ATTEMPT = "attempt"  # the fencing token: bumped by each claim
     WORKER = "worker"
     CLAIMED_AT = "claimed_at"

@@ -24,7 +24,7 @@ class ApiError(Exception):
         self.message = message
         self.status = status
         self.param = param
-        self.kind = kind  # invalid_request | authentication | permission | not_found | rate_limit | overloaded | too_large | internal
+        self.kind = kind  # invalid_request | authentication | permission | not_found | rate_limit | overloaded | too_large | timeout | internal
         self.code = code
         self.retry_after = retry_after
 

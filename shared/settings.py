@@ -61,6 +61,12 @@ class Settings:
     rate_limit_period: float = 60.0  # seconds in which an empty bucket refills to rpm / tpm (tests shorten it)
     max_body_bytes: int = 32 * 2**20
     max_json_depth: int = 64
+    max_stored_request_bytes: int = 16 * 2**20  # what one request may store in Redis (its record and queue entry, every n choice); more: 413
+    body_timeout: float = 30.0  # seconds a client may take to send a request body, plus 1 s per MiB received (slowloris); slower: 408, connection closed
+    header_timeout: float = 30.0  # seconds a connection may take to send a request's headers; slower: closed
+    max_connections: int = 1024  # open HTTP connections per API node; a request on one past it: 503 (0: no cap)
+    tokenize_threads: int = 2  # threads rendering and tokenizing prompts off the event loop (ingest.tokenizing)
+    tokenize_queue: int = 8  # bodies over 1 MiB tokenized (one at a time) or waiting for it; more: 429 / 529
     tool_parser: str = "auto"  # tool-call syntax parsed from model output: auto (from the template) | hermes | llama3 | mistral | none
     reasoning_parser: str = "auto"  # reasoning spans in model output: auto | qwen3 | deepseek_r1 | none (models.reasoning)
     max_thinking_tokens: int = 0  # cap on every reasoning budget; 0 = no cap

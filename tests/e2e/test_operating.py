@@ -28,7 +28,7 @@ MESSAGES = {"model": "m", "messages": USER, "max_tokens": 1}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    args = ["--api-key", "rate", "--api-key", "tokens", "--api-key", "ops"]
+    args = ["--api-key", "rate", "--api-key", "tokens", "--api-key", "ops", "--api-key", "count"]
     limits = ["--rate-limit-rpm", str(RPM), "--rate-limit-tpm", str(TPM), "--rate-limit-period", str(PERIOD), "--max-body-bytes", str(MAX_BODY)]
     live = start_server(tmp_path_factory.mktemp("operating"), "--workers", "1", *args, *limits)
     post(live, "/v1/chat/completions", CHAT, key="ops")  # warm up, on its own key
@@ -99,6 +99,14 @@ def test_a_request_that_could_never_fit_the_token_limit_is_refused_without_retry
     response = post(server, "/v1/chat/completions", no_max, key="tokens")
     assert response.status_code == 429 and "retry-after" not in response.headers
     assert "8192" in response.json()["error"]["message"]
+
+
+def test_count_tokens_takes_a_request_from_the_keys_rate_limit_the_same_bucket_generations_use(server: LiveServer) -> None:
+    for _ in range(RPM):
+        counted = post(server, "/v1/messages/count_tokens", {"model": "m", "messages": USER}, key="count")
+        assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+    assert_rate_limited(post(server, "/v1/messages/count_tokens", {"model": "m", "messages": USER}, key="count"), "anthropic")
+    assert_rate_limited(post(server, "/v1/chat/completions", CHAT, key="count"), "openai")  # the counts used the key's requests up
 
 
 # ---- input limits -------------------------------------------------------------------------------------
