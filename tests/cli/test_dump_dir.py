@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ingest.dump_writer import POSITION_FILE
 from shared.dumps import DumpRecord, read_records
 
 from ..conftest import LiveServer, start_server, stop_server
@@ -39,7 +40,8 @@ def test_finished_requests_are_appended_to_the_dump_dir_without_secrets(dumping_
     records = records_in(dumps)
     assert [r.id for r in records] == [streamed, answered]
     assert all(r.outcome in ("stop", "length") and r.meta["status"] == "finished" and r.deltas for r in records)
-    (path,) = dumps.iterdir()
+    (path,) = dumps.glob("*.jsonl")  # beside it only the writer's committed position (ingest.dump_writer.POSITION_FILE)
+    assert sorted(p.name for p in dumps.iterdir()) == sorted([path.name, POSITION_FILE])
     assert path.name.startswith("metrale-dumps-") and path.name.endswith("-0001.jsonl")
     raw = path.read_bytes()
     assert b"sk-dump-dir-secret" not in raw and b"sk-dump-dir-header" not in raw
