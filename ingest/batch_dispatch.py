@@ -88,11 +88,17 @@ class BatchDispatcher:
         self._lease = redis.register_script(_LEASE)
 
     async def run(self, stop: asyncio.Event, interval: float = 0.2) -> None:
+        down_since: float | None = None  # an outage is logged when it starts and when it ends, not every step
         while not stop.is_set():
             try:
                 await self.step_once()
+                if down_since is not None:
+                    log.warning("batch dispatch: redis is back after %.1f s", time.monotonic() - down_since)
+                    down_since = None
             except RedisError as exc:
-                log.warning("batch dispatch: redis unavailable (%s); retrying", type(exc).__name__)
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.warning("batch dispatch: redis unavailable (%s); retrying every %g s", type(exc).__name__, interval)
             except Exception:
                 log.exception("batch dispatch step failed")
             with contextlib.suppress(TimeoutError):
