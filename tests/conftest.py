@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,17 @@ def start_server(
     wait_ready(proc, base, log_path, ready_timeout=ready_timeout, workers_ready=workers_ready)
     redis_url = (data_dir / "redis.url").read_text().strip()
     return LiveServer(base_url=base, redis_url=redis_url, proc=proc, data_dir=data_dir, log_path=log_path)
+
+
+def wait_for(what: str, check: Callable[[], object], timeout: float = 60.0) -> object:
+    """Poll `check` until it returns something truthy (returned), or fail naming `what`."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def wait_ready(proc: subprocess.Popen[bytes], base: str, log_path: Path, *, ready_timeout: float = 240.0, workers_ready: int = 1) -> None:

@@ -24,7 +24,7 @@ from shared.codec import decode_delta
 from shared.deltas import Error, Finish, is_terminal
 from workers.loop import FAULT_INJECTION_FILE
 
-from ..conftest import ROOT, LiveServer, start_server, stop_server
+from ..conftest import ROOT, LiveServer, start_server, stop_server, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -41,15 +41,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     yield server
     stop_server(server)
 
-
-def wait_for(what: str, check: Callable[[], object], timeout: float = 60.0) -> object:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def live_workers(r: redis.Redis, n: int = 2) -> list[str]:

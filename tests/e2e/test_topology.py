@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ import redis
 
 from shared import keys
 
+from ..conftest import wait_for
 from ..topology import Nginx, RedisProcs, Role, responses_stream_text, spawn_role, start_nginx, start_standalone, wait_serving
 
 pytestmark = pytest.mark.e2e
@@ -94,15 +95,6 @@ def test_all_three_protocols_stream_through_nginx(topology: Topology) -> None:
     assert served.count('"POST /v1/') >= 4  # they went through the proxy
 
 
-def wait_for(what: str, check: Callable[[], object], timeout: float = 120.0) -> object:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
 
 def busy_worker(topology: Topology, since: float) -> Role | None:
     """A worker that holds a request which has already streamed a few events."""
@@ -131,7 +123,7 @@ def test_a_killed_worker_and_a_terminated_api_node_lose_no_stream(topology: Topo
     threads = [threading.Thread(target=client) for _ in range(4)]
     for t in threads:
         t.start()
-    victim = wait_for("a worker streaming a request", lambda: busy_worker(topology, started))
+    victim = wait_for("a worker streaming a request", lambda: busy_worker(topology, started), timeout=120.0)
     assert isinstance(victim, Role)
     victim.signal(signal.SIGKILL)
     leaving = topology.apis[0]

@@ -22,8 +22,8 @@ from cli.embedded_redis import EmbeddedRedis
 from shared import keys
 from workers.faults import FAULT_INJECTION_FILE
 
-from ..conftest import LiveServer, start_server, stop_server
-from .test_recovery import in_background, newest_request, wait_for
+from ..conftest import LiveServer, start_server, stop_server, wait_for
+from .test_recovery import in_background, newest_request
 
 pytestmark = pytest.mark.e2e
 
