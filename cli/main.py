@@ -111,6 +111,13 @@ UpstreamApiKeyFile = Annotated[str | None, typer.Option(help="A file holding the
 UpstreamMaxInflight = Annotated[int | None, typer.Option(help="Requests one gateway worker has open on the upstream at once.")]
 UpstreamTimeout = Annotated[float | None, typer.Option(help="Seconds a request waits for an unreachable upstream before it fails with an error.")]
 UpstreamFlavor = Annotated[str | None, typer.Option(help="vllm (default: send vLLM's extension sampling fields, top_k, min_p, ...) or openai (refuse them).")]
+UpstreamContinue = Annotated[
+    bool | None,
+    typer.Option(
+        "--upstream-continue/--no-upstream-continue",
+        help="The upstream continues a partial assistant message (vLLM, SGLang, Metrale: continue_final_message): a stream whose gateway worker died goes on where it stopped instead of ending with an error.",
+    ),
+]
 DumpDir = Annotated[
     str | None,
     typer.Option(help="Also append every finished request (IR, deltas, timings; secrets redacted) to rotating JSONL files in this folder."),
@@ -205,6 +212,7 @@ def serve(
     upstream_max_inflight: UpstreamMaxInflight = None,
     upstream_timeout: UpstreamTimeout = None,
     upstream_flavor: UpstreamFlavor = None,
+    upstream_continue: UpstreamContinue = None,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="On a terminal, log lines instead of the `met top` dashboard.")] = False,
 ) -> None:
     """Run everything: embedded Redis (unless --redis-url), the API and N workers. Ctrl-C stops all."""
@@ -300,6 +308,7 @@ def worker(
     upstream_max_inflight: UpstreamMaxInflight = None,
     upstream_timeout: UpstreamTimeout = None,
     upstream_flavor: UpstreamFlavor = None,
+    upstream_continue: UpstreamContinue = None,
 ) -> None:
     """Run one worker: claim requests from --redis-url, generate (or, with --upstream, stream from the upstream), append deltas."""
     settings = _settings(**locals())

@@ -7,6 +7,8 @@ the usage; the stream ends with `data: [DONE]`. An Error delta becomes `data: {"
 before `[DONE]`, as vLLM does. Reasoning goes out as `reasoning_content` (DeepSeek's and vLLM's
 long-standing name) and, with the same text, as `reasoning` (the name newer vLLM and OpenRouter use),
 so a client reading either name gets it; `completion_tokens_details.reasoning_tokens` counts it.
+A finish on a stop sequence also says which one, as vLLM's `stop_reason` (so a gateway in front of this
+server can report Anthropic's `stop_sequence`); other finishes carry no `stop_reason`.
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ class DoneOnce:
             return []
         self._done = True
         return [DONE]
+
+
+def stop_reason(finish: Finish) -> dict[str, str]:
+    """vLLM's `stop_reason` field of a choice: the stop sequence that ended it, when one did."""
+    return {"stop_reason": finish.matched_stop} if finish.matched_stop is not None else {}
 
 
 def completion_id(request: Request) -> str:
@@ -147,7 +154,7 @@ class ChatStreamEncoder(DoneOnce):
         elif isinstance(delta, ToolCallArgs):
             frames.append(self._chunk({"tool_calls": [{"index": delta.index, "function": {"arguments": delta.arguments}}]}))
         elif isinstance(delta, Finish):
-            frames.append(self._chunk({}, finish_reason=delta.reason.openai, extra=self._token_extra(delta.token_ids)))
+            frames.append(self._chunk({}, finish_reason=delta.reason.openai, extra={**stop_reason(delta), **(self._token_extra(delta.token_ids) or {})}))
             if self._closes:
                 frames.extend(self.close(delta.usage))
         elif isinstance(delta, Error):
@@ -213,6 +220,7 @@ class ChatCompletionAccumulator:
             "message": message,
             "logprobs": logprobs_json(tuple(self._logprobs)) if self._request.sampling.logprobs else None,
             "finish_reason": self.finish.reason.openai if self.finish else None,
+            **(stop_reason(self.finish) if self.finish else {}),
         }
         if self._request.return_token_ids:
             choice["token_ids"] = self._token_ids

@@ -51,11 +51,26 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         constraint=constraints.one_of(body, constraints.chat_response_format(body.get("response_format"))),
         thinking=_thinking(body),
         return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
+        add_generation_prompt=(mode := prompt_mode(body, messages))[0],
+        continue_final_message=mode[1],
         priority=f.integer(body["priority"], "priority", lo=-(2**31), hi=2**31) if body.get("priority") is not None else 0,
         created=created,
         metadata=metadata(body.get("metadata")),
         endpoint="/v1/chat/completions",
     )
+
+
+def prompt_mode(body: dict[str, Any], messages: tuple[Message, ...]) -> tuple[bool, bool]:
+    """vLLM's `add_generation_prompt` (default true) and `continue_final_message` (default false): the
+    prompt ends with the final assistant message left open, and the output continues its text. Both true is
+    refused, as vLLM does; continuing needs an assistant message last."""
+    add = f.boolean(body["add_generation_prompt"], "add_generation_prompt") if body.get("add_generation_prompt") is not None else True
+    extend = f.boolean(body["continue_final_message"], "continue_final_message") if body.get("continue_final_message") is not None else False
+    if extend and add:
+        raise invalid("Cannot set both 'continue_final_message' and 'add_generation_prompt' to true.", "continue_final_message")
+    if extend and messages[-1].role is not Role.ASSISTANT:
+        raise invalid("'continue_final_message' needs the last message to be from the assistant.", "continue_final_message")
+    return add, extend
 
 
 def reasoning_effort(value: Any, param: str) -> str | None:

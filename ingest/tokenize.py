@@ -1,7 +1,7 @@
 """vLLM's `POST /tokenize` and `POST /detokenize`: body → answer through the prompt renderer.
 
 Tokenize takes `{"prompt", "add_special_tokens": true}` (raw text, tokenized as `/v1/completions`
-tokenizes it) or `{"messages", "add_generation_prompt": true, "add_special_tokens": false, "tools"}`
+tokenizes it) or `{"messages", "add_generation_prompt": true, "continue_final_message": false, "add_special_tokens": false, "tools"}`
 (rendered through the chat template exactly as `/v1/chat/completions` renders them, messages and
 tools read by the chat parser), and answers `{"count", "max_model_len", "tokens", "token_strs"}`
 (`token_strs` null unless `return_token_strs`). Detokenize takes `{"tokens"}` and answers `{"prompt"}`.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ingest import fields as f
-from ingest.openai_chat import MAX_MESSAGES, MAX_TOOLS, _message, _tool
+from ingest.openai_chat import MAX_MESSAGES, MAX_TOOLS, _message, _tool, prompt_mode
 from models.prompt import PromptRenderer
 from shared.errors import invalid
 
@@ -38,10 +38,12 @@ def tokenize(renderer: PromptRenderer, body: Any) -> dict[str, Any]:
     if body.get("messages") is not None:
         messages = tuple(_message(m, i) for i, m in enumerate(f.array(body["messages"], "messages", max_items=MAX_MESSAGES, allow_empty=False)))
         tools = tuple(_tool(t, i) for i, t in enumerate(f.array(body.get("tools") or [], "tools", max_items=MAX_TOOLS)))
+        add_generation_prompt, continue_final_message = prompt_mode(body, messages)
         ids = renderer.render_messages(
             messages,
             tools,
-            add_generation_prompt=_flag(body, "add_generation_prompt", True),
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             add_special_tokens=_flag(body, "add_special_tokens", False),
         )
     elif body.get("prompt") is not None:

@@ -94,7 +94,13 @@ class PromptRenderer:
             if request.completion.token_ids:
                 return self.check_ids(request.completion.token_ids, "prompt")
             return self.tokenize_text(request.completion.text)
-        return self.render_messages(request.messages, request.tools if calls_enabled(request) else (), thinking=request.thinking.enabled)
+        return self.render_messages(
+            request.messages,
+            request.tools if calls_enabled(request) else (),
+            thinking=request.thinking.enabled,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+        )
 
     def tokenize_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Raw text → ids, special-token strings included as the specials they spell (the client wrote
@@ -124,15 +130,18 @@ class PromptRenderer:
         *,
         thinking: bool | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         add_special_tokens: bool = False,
     ) -> list[int]:
         """`thinking` (None: the template's default) reaches templates that take `enable_thinking`.
+        `continue_final_message` leaves the final assistant message open (transformers cuts the rendered
+        text after its content), so the output continues it.
         `add_special_tokens` adds the tokenizer's own BOS/EOS around the rendered text (vLLM's
         /tokenize flag; templates usually write their own, so it is off by default)."""
         escape = _Escape(self._specials)
         native = _mentions_tools(self.tokenizer)
         conversation = escape([_message_dict(m) if native else _fallback_dict(m) for m in messages])
-        kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt, "tokenize": False}
+        kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message, "tokenize": False}
         if thinking is not None and takes_enable_thinking(self.tokenizer):
             kwargs["enable_thinking"] = thinking
         if tools and native:
@@ -140,6 +149,9 @@ class PromptRenderer:
         elif tools:
             conversation = _with_tools_in_system(conversation, escape(tools_prompt(tools)))
         text = self.tokenizer.apply_chat_template(conversation, **kwargs)
+        final = conversation[-1].get("content") if continue_final_message else None
+        if isinstance(final, str) and not text.endswith(final) and text.endswith(final.rstrip()):
+            text += final[len(final.rstrip()) :]  # a template that trims the content lost its trailing whitespace: the output continues after it
         if not escape.used:
             ids: list[int] = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
             return ids

@@ -244,6 +244,8 @@ class Request:
     thinking: Thinking = field(default_factory=Thinking)
     completion: TextCompletion | None = None
     return_token_ids: bool = False
+    add_generation_prompt: bool = True  # vLLM's chat fields: False with continue_final_message extends
+    continue_final_message: bool = False  # the final assistant message instead of opening a new one
     priority: int = 0
     created: float = 0.0
     metadata: tuple[tuple[str, str], ...] = ()

@@ -138,31 +138,39 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server.stop()
 
 
-LONG_CONTEXT = 32768  # Claude Code's first request alone is ~12.7k tokens of SmolLM2's tokenizer: past its own 8192
+LONG_CONTEXT = 32768  # Claude Code's first request alone is ~12.7k tokens of SmolLM2's tokenizer, Codex's ~9k: past its own 8192
+YARN_FACTOR = 2.0  # positions stretched 2x: what the agents' prompts reach (<= 16k) reads like the model's own 8k
 
 
 def long_context_model(target: Path, context: int = LONG_CONTEXT) -> Path:
-    """The default model's converted folder (models/files.py) with `max_position_embeddings` raised to
-    `context`: past 8192 the output is poor, but every token the protocols carry is real. The weights are
-    linked, not copied; the folder's name is the served model name."""
+    """The default model's converted folder (models/files.py) with a `context`-token window and YaRN RoPE
+    scaling. The window is 32k because Claude Code refuses, client-side ("Prompt is too long"), to send its
+    12.7k-token prompt to a window under ~32k (it keeps room for its output); the YaRN factor is 2, not
+    32k / 8k = 4, because it is the one that answers (measured on the recorded turns, greedy): unscaled
+    positions past 8192 give "\n#" forever, linear x2 "System" forever, YaRN x4 garbage to the cap, while
+    YaRN x2 answers in 13-45 tokens and ends the turn. The text is poor; every token the protocols carry
+    is real. The weights are linked, not copied; the folder's name is the served model name."""
     _, source = local_folder(DEFAULT_MODEL, Settings.from_env(os.environ).model_cache)
     target.mkdir(parents=True, exist_ok=True)
     for item in source.iterdir():
         if item.name != "config.json":
             (target / item.name).symlink_to(item)
     config = json.loads((source / "config.json").read_text())
-    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}, indent=2))
+    original = int(config["max_position_embeddings"])
+    theta = config.get("rope_parameters", {}).get("rope_theta", config.get("rope_theta", 10000.0))
+    yarn = {"rope_type": "yarn", "factor": YARN_FACTOR, "original_max_position_embeddings": original, "rope_theta": theta}
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context, "rope_parameters": yarn}, indent=2))
     return target
 
 
-AGENT_OUTPUT_CAP = 16  # --max-output-tokens of the agents' server: a 135M model at 12k tokens of context only rambles
+AGENT_OUTPUT_CAP = 64  # --max-output-tokens of the agents' server: the CLIs' first turns end in 17 (Claude Code) and 43 (Codex) tokens; a rambling one stops here
 
 
 @pytest.fixture(scope="session")
 def agents_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """`met serve` on the long-context copy of the default model, every feature at its default, for the
     recorded agent requests and the real agent CLIs. Greedy by default (`--default-temperature 0`: the
-    agents send no temperature) so runs repeat; output capped so a turn takes seconds, not minutes."""
+    agents send no temperature) so runs repeat; output capped so a turn that rambles takes seconds, not minutes."""
     folder = long_context_model(tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct-32k")
     args = ["--model", str(folder), "--max-output-tokens", str(AGENT_OUTPUT_CAP), "--default-temperature", "0", "--kv-budget-mb", "1536"]
     server = start_server(tmp_path_factory.mktemp("agents"), "--workers", "1", *args)

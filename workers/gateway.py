@@ -13,10 +13,14 @@ and /metrics read it.
 `GatewayLoop` is `workers.loop.ClaimLoop` with this engine, so claims, leases, fenced writes, cancels,
 heartbeats and drain are the model worker's own. Usage is the upstream's; where its stream carries none
 (llama-cpp-python's server ignores `include_usage`) it is estimated: the prompt as the API node rendered
-it, the output re-tokenized with the local tokenizer (`--model`), exactly max_tokens on a length finish. Crash resume: the upstream's generation cannot be
-resumed, and no upstream we run continues a partial assistant message for us, so a reclaimed request
-that had already written output ends with one Error (never a duplicate); one that had written nothing
-is sent again from the start.
+it, the output re-tokenized with the local tokenizer (`--model`), exactly max_tokens on a length finish.
+Crash resume: the upstream's generation itself cannot be resumed. A reclaimed request that had written
+nothing is sent again from the start. One that had written only text is continued when the upstream can
+continue a partial assistant message (`--upstream-continue`: vLLM, SGLang and Metrale take vLLM's
+`continue_final_message`): the text already written goes back as an open assistant message, max_tokens
+shrinks by what it used, and the upstream's output is appended after it (usage counts both parts).
+Otherwise (no `--upstream-continue`, or reasoning, a tool call or a refusal already written, or a
+response_format the upstream would restart), it ends with one Error. Never a duplicate either way.
 Must not: parse chunk bytes (the parser does), log or store the upstream's API key.
 """
 
@@ -54,7 +58,7 @@ from shared.settings import Settings
 from workers.engine import Emission
 from workers.loop import ClaimLoop
 from workers.upstream_chunks import UpstreamStream, upstream_error_message
-from workers.upstream_request import chat_body
+from workers.upstream_request import chat_body, continue_body
 
 log = logging.getLogger(__name__)
 PROBE_EVERY_S = 2.0
@@ -73,6 +77,7 @@ class Upstream:
     connect_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
     flavor: str = "vllm"
+    continues: bool = False  # the upstream takes continue_final_message (--upstream-continue)
 
     @classmethod
     def from_settings(cls, settings: Settings, *, model: str) -> Upstream:
@@ -85,6 +90,7 @@ class Upstream:
             connect_timeout_s=settings.upstream_timeout,
             request_timeout_s=settings.request_timeout,
             flavor=settings.upstream_flavor,
+            continues=settings.upstream_continue,
         )
 
     @property
@@ -93,8 +99,17 @@ class Upstream:
 
 
 @dataclass
+class Continuation:
+    """What a reclaimed request had already written: its text, and the tokens that text used."""
+
+    text: str
+    tokens: int
+
+
+@dataclass
 class GatewayStats:
     started: int = 0
+    continued: int = 0
     upstream_errors: int = 0
     healthy: bool = False
     checked_at: float = 0.0
@@ -129,10 +144,11 @@ class Gateway:
     def room(self) -> int:
         return max(0, self.upstream.max_inflight - len(self._tasks))
 
-    def add(self, request: Request, *, attempt: int) -> None:
+    def add(self, request: Request, *, attempt: int, continuing: Continuation | None = None) -> None:
         self.stats.started += 1
+        self.stats.continued += continuing is not None
         self._attempts[request.id] = attempt
-        task = asyncio.create_task(self._run(request, attempt))
+        task = asyncio.create_task(self._run(request, attempt, continuing))
         self._tasks[request.id] = task
         task.add_done_callback(partial(self._done, request.id))
 
@@ -180,11 +196,20 @@ class Gateway:
 
     # ---- one upstream request ------------------------------------------------------------------
 
-    async def _run(self, request: Request, attempt: int) -> None:
+    def continuation(self, request: Request, recorded: list[StreamDelta]) -> Continuation | None:
+        """How `request` goes on after `recorded` (what earlier attempts wrote): None when it cannot."""
+        written = [d for d in recorded if not is_terminal(d)]
+        if not self.upstream.continues or request.constraint is not None or not all(isinstance(d, Content) for d in written):
+            return None
+        text = "".join(d.text for d in written if isinstance(d, Content))
+        tokens = self.count_tokens(text) if self.count_tokens is not None else len(written)
+        return Continuation(text=text, tokens=tokens)
+
+    async def _run(self, request: Request, attempt: int, continuing: Continuation | None = None) -> None:
         try:
             remaining = max(1.0, request.created + self.upstream.request_timeout_s - time.time()) if request.created else self.upstream.request_timeout_s
             async with asyncio.timeout(remaining):
-                await self._stream(request, attempt)
+                await self._stream(request, attempt, continuing)
         except TimeoutError:
             self._put(request.id, Finish(reason=FinishReason.TIMEOUT, usage=Usage(), attempt=attempt))
         except asyncio.CancelledError:
@@ -193,8 +218,14 @@ class Gateway:
             log.exception("request %s: the gateway failed", request.id)
             self._put(request.id, Error(message="The gateway worker failed while streaming this response.", attempt=attempt))
 
-    async def _stream(self, request: Request, attempt: int) -> None:
+    async def _stream(self, request: Request, attempt: int, continuing: Continuation | None) -> None:
         body = chat_body(request, model=self.upstream.model, flavor=self.upstream.flavor)
+        if continuing is not None:
+            left = request.sampling.max_tokens - continuing.tokens if request.sampling.max_tokens else None
+            if left is not None and left <= 0:
+                self._put(request.id, Finish(reason=FinishReason.LENGTH, usage=self._usage(request, continuing, Usage()), attempt=attempt))
+                return
+            body = continue_body(body, continuing.text, max_tokens=left)
         give_up = time.monotonic() + self.upstream.connect_timeout_s
         while True:
             parser = UpstreamStream(attempt=attempt, stops=request.sampling.stop, call_id_prefix=f"call_{request.id}")
@@ -207,12 +238,12 @@ class Gateway:
                     try:
                         async for data in response.aiter_bytes():
                             self.stats.last_data = time.monotonic()
-                            self._put_all(request, parser, parser.feed(data), texts)
+                            self._put_all(request, parser, parser.feed(data), texts, continuing)
                             if parser.done:
                                 return
                     except httpx.HTTPError as exc:  # the connection broke mid-stream
                         self._note_failure(exc)
-                    self._put_all(request, parser, parser.end(), texts)
+                    self._put_all(request, parser, parser.end(), texts, continuing)
                     return
             except httpx.TransportError as exc:  # no response began (refused, or the upstream died first): safe to try again
                 self._note_failure(exc)
@@ -241,22 +272,32 @@ class Gateway:
     def _put(self, request_id: str, delta: StreamDelta) -> None:
         self._ready.put_nowait(Emission(request_id, delta))
 
-    def _put_all(self, request: Request, parser: UpstreamStream, deltas: list[StreamDelta], texts: list[str]) -> None:
+    def _put_all(self, request: Request, parser: UpstreamStream, deltas: list[StreamDelta], texts: list[str], continuing: Continuation | None) -> None:
         for delta in deltas:
             if isinstance(delta, Content | Reasoning | Refusal):
                 texts.append(delta.text)
             elif isinstance(delta, ToolCallStart | ToolCallArgs):
                 texts.append(delta.name if isinstance(delta, ToolCallStart) else delta.arguments)
-            elif isinstance(delta, Finish) and not parser.saw_usage:
-                delta = replace(delta, usage=self._estimated_usage(request, delta, "".join(texts)))
+            elif isinstance(delta, Finish):
+                usage = delta.usage if parser.saw_usage else self._estimated_usage(request, delta, "".join(texts), continuing)
+                delta = replace(delta, usage=self._usage(request, continuing, usage))
             self._put(request.id, delta)
 
-    def _estimated_usage(self, request: Request, finish: Finish, text: str) -> Usage:
+    @staticmethod
+    def _usage(request: Request, continuing: Continuation | None, usage: Usage) -> Usage:
+        """A continued request's usage: the prompt without the text sent back in it, the output with it."""
+        if continuing is None:
+            return usage
+        prompt = len(request.prompt_token_ids) or max(0, usage.prompt_tokens - continuing.tokens)
+        return replace(usage, prompt_tokens=prompt, completion_tokens=usage.completion_tokens + continuing.tokens)
+
+    def _estimated_usage(self, request: Request, finish: Finish, text: str, continuing: Continuation | None) -> Usage:
         """Usage for an upstream that sent none: the prompt as the API node rendered it, and the output
-        re-tokenized with the local tokenizer (exactly max_tokens when the upstream stopped there)."""
+        re-tokenized with the local tokenizer (exactly max_tokens when the upstream stopped there). Of a
+        continued request, only the upstream's part: `_usage` adds the rest."""
         max_tokens = request.sampling.max_tokens
         if finish.reason is FinishReason.LENGTH and max_tokens:
-            completion = max_tokens
+            completion = max_tokens - (continuing.tokens if continuing is not None else 0)
         else:
             completion = self.count_tokens(text) if self.count_tokens is not None else 0
         return Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=completion)
@@ -299,10 +340,14 @@ class GatewayLoop(ClaimLoop[Gateway]):
         return self.engine.room()
 
     def start(self, request: Request, *, attempt: int, recorded: list[StreamDelta]) -> list[Emission]:
+        continuing = None
         if any(not is_terminal(d) for d in recorded):
-            log.warning("request %s: resumed after a gateway worker stopped mid-stream; ending it with one error", request.id)
-            return [Emission(request.id, Error(message=RESUME_MESSAGE, kind=ErrorKind.INTERNAL, attempt=attempt))]
-        self.engine.add(request, attempt=attempt)
+            continuing = self.engine.continuation(request, recorded)
+            if continuing is None:
+                log.warning("request %s: resumed after a gateway worker stopped mid-stream; ending it with one error", request.id)
+                return [Emission(request.id, Error(message=RESUME_MESSAGE, kind=ErrorKind.INTERNAL, attempt=attempt))]
+            log.info("request %s: resumed after a gateway worker stopped mid-stream; the upstream continues its %d tokens", request.id, continuing.tokens)
+        self.engine.add(request, attempt=attempt, continuing=continuing)
         return []
 
     async def periodic(self) -> None:
@@ -326,6 +371,7 @@ class GatewayLoop(ClaimLoop[Gateway]):
             "waiting": 0,
             "active": active,
             "started_requests": stats.started,
+            "continued_requests": stats.continued,
         }
 
 

@@ -1,7 +1,7 @@
 """The request IR → an upstream's `/v1/chat/completions` body, and what such a body cannot say.
 
 Owns: `chat_body()` (what a gateway worker, workers/gateway.py, sends: always `stream: true` with
-`stream_options.include_usage`) and `check_expressible()`, which the API node calls before anything is
+`stream_options.include_usage`), `continue_body()` (the same, continuing a partial answer) and `check_expressible()`, which the API node calls before anything is
 queued, so a request the upstream's chat API cannot express is refused in the client's own protocol
 (an `ApiError` naming the parameter, rendered by ingest) rather than silently dropped.
 
@@ -107,6 +107,15 @@ def chat_body(request: Request, *, model: str, flavor: str = "vllm") -> dict[str
         body["reasoning_effort"] = request.thinking.effort
     body.update(_sampling(request.sampling, flavor))
     return body
+
+
+def continue_body(body: dict[str, Any], text: str, *, max_tokens: int | None) -> dict[str, Any]:
+    """`body` continued after `text` (what the request already streamed): the text as an open assistant
+    message (vLLM's `continue_final_message`, which SGLang and Metrale take too), `max_tokens` what is left."""
+    out = {**body, "messages": [*body["messages"], {"role": "assistant", "content": text}], "continue_final_message": True, "add_generation_prompt": False}
+    if max_tokens is not None:
+        out["max_tokens"] = max_tokens
+    return out
 
 
 def _sampling(params: SamplingParams, flavor: str) -> dict[str, Any]:

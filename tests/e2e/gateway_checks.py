@@ -89,7 +89,7 @@ def check_openai_chat_forced_tool_call(gateway: LiveServer) -> None:
     assert isinstance(json.loads(streamed.function.arguments), dict)  # type: ignore[union-attr]
 
 
-def check_anthropic_messages(gateway: LiveServer) -> None:
+def check_anthropic_messages(gateway: LiveServer, *, upstream_names_the_stop: bool) -> None:
     client = claude(gateway)
     cut = client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Tell me about Paris."}], extra_body=GREEDY)
     assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 8 and cut.content[0].type == "text"
@@ -100,8 +100,11 @@ def check_anthropic_messages(gateway: LiveServer) -> None:
     with client.messages.stream(model=MODEL, max_tokens=60, messages=[{"role": "user", "content": STOP_PROMPT}], stop_sequences=["."], extra_body=GREEDY) as stream:
         stopped = stream.get_final_message()
     text = stopped.content[0].text if stopped.content and stopped.content[0].type == "text" else ""
-    # Neither Metrale nor llama.cpp says which stop matched (vLLM's `stop_reason` does): end_turn, text cut before it.
-    assert stopped.stop_reason in ("end_turn", "stop_sequence") and text and "." not in text, text
+    assert text and "." not in text, text
+    if upstream_names_the_stop:  # vLLM's `stop_reason` (Metrale sends it too): Anthropic's stop_sequence
+        assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "."), stopped
+    else:  # llama.cpp does not say which stop matched: end_turn, the text cut before it
+        assert stopped.stop_reason == "end_turn", stopped
     tools: Any = [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]
     with client.messages.stream(
         model=MODEL,
@@ -344,7 +347,7 @@ def check_refused_before_any_sse_header(gateway: LiveServer) -> None:
 
 
 def check_gateway_worker_killed_mid_stream(gateway: LiveServer) -> None:
-    """kill -9 of the gateway worker mid-stream: the upstream cannot continue the message, so the reclaimed
+    """kill -9 of the gateway worker mid-stream, without `--upstream-continue`: the reclaimed
     request ends with exactly one Error after the text already sent (nothing twice); the next request works."""
     import os
     import signal
@@ -367,6 +370,55 @@ def check_gateway_worker_killed_mid_stream(gateway: LiveServer) -> None:
     assert len(request_ids) == 1
     wait_for(lambda: ready(gateway).status_code == 200, timeout=120, what="a new gateway worker")
     check_each_protocol_answers(gateway)
+
+
+def check_gateway_worker_killed_mid_stream_continues(gateway: LiveServer, upstream_url: str, upstream_key: str) -> None:
+    """kill -9 of the gateway worker mid-stream, with `--upstream-continue`: the reclaimed request goes on
+    where it stopped. The client's one stream ends normally (no error, one finish, one id); its text is
+    what the dead worker wrote, then exactly what the upstream answers when that text is sent back as an
+    open assistant message (`continue_final_message`, greedy); usage counts both parts."""
+    import os
+    import signal
+
+    import redis as redis_sync
+
+    from shared import keys
+    from shared.codec import decode_delta
+    from shared.deltas import Content, Finish
+
+    user = [{"role": "user", "content": LONG}]
+    body = {"model": MODEL, "messages": user, "max_tokens": 160, "stream": True, "stream_options": {"include_usage": True}, **GREEDY}
+    stream = RawStream(gateway, "/v1/chat/completions", body).start()
+    assert stream.started.wait(180), "no content before the kill"
+    client = redis_sync.Redis.from_url(gateway.redis_url)
+    [worker] = [w.decode() for w in client.zrange(keys.WORKERS_ALIVE, 0, -1)]
+    os.kill(int(client.hget(keys.worker_info(worker), "pid") or 0), signal.SIGKILL)
+    events = stream.join(timeout=240)
+    assert events[-1][1] == "[DONE]"
+    payloads = [json.loads(data) for _, data in events[:-1]]
+    assert not [p for p in payloads if "error" in p], payloads[-3:]
+    finishes = [c["finish_reason"] for p in payloads for c in p.get("choices", []) if c.get("finish_reason")]
+    assert finishes == ["length"] and len({p["id"] for p in payloads}) == 1
+    text = content_before_error("openai_chat", events)
+    rid = payloads[0]["id"].removeprefix("chatcmpl-")
+    deltas = [decode_delta(fields[b"d"]) for _, fields in client.xrange(keys.delta_stream(rid))]
+    written = {attempt: "".join(d.text for d in deltas if isinstance(d, Content) and d.attempt == attempt) for attempt in (1, 2)}
+    assert written[1] and written[2] and text == written[1] + written[2], written
+    assert max(d.attempt for d in deltas) == 2
+    extend = {"continue_final_message": True, "add_generation_prompt": False}
+    opened = [*user, {"role": "assistant", "content": written[1]}]
+    with openai.OpenAI(base_url=upstream_url, api_key=upstream_key, max_retries=0, timeout=120) as direct:
+        rest = direct.chat.completions.create(model=MODEL, messages=opened, max_tokens=160, extra_body=extend, **GREEDY)  # type: ignore[arg-type, call-overload]
+    assert (rest.choices[0].message.content or "").startswith(written[2])
+    usage = payloads[-1]["usage"]
+    [finish] = [d for d in deltas if isinstance(d, Finish)]
+    assert usage["completion_tokens"] == finish.usage.completion_tokens == 160 and usage["prompt_tokens"] == len(_prompt_ids(gateway, user))
+    wait_for(lambda: ready(gateway).status_code == 200, timeout=120, what="a new gateway worker")
+
+
+def _prompt_ids(gateway: LiveServer, messages: list[dict[str, str]]) -> list[int]:
+    tokens: list[int] = httpx.post(gateway.base_url + "/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+    return tokens
 
 
 def check_client_disconnect_closes_the_upstream_request(gateway: LiveServer, upstream_server: LiveServer) -> None:

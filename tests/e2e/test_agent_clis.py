@@ -1,20 +1,20 @@
 """The real coding agents, unmodified, against a live `met serve`: Claude Code on /v1/messages and Codex on
 /v1/responses (pinned; `./dev test` installs them into .tools/agents with npm). Every CLI feature is left
-at its default; the server runs the long-context copy of the default model (Claude Code's prompt alone is
-~12.7k tokens) with --max-output-tokens, so each turn ends at `length` after a few tokens.
+at its default; the server runs the YaRN-stretched 16k copy of the default model (Claude Code's prompt
+alone is ~12.7k tokens, Codex's ~9k), greedy, so each turn is a short, poor, but ended answer.
 
-What is asserted is the protocol: the CLI took the server's stream apart into a turn with the model's
-text, and the server answered nothing with a 4xx / 5xx. What is not asserted is a zero exit: both CLIs
-fail a run whose last turn stopped at the output-token limit ("exceeded the ... output token maximum",
-"Incomplete response returned, reason: max_output_tokens"), which is what a 135M model rambling at 12k
-tokens of context always reaches; the test checks that this, and nothing else, is the failure."""
+What is asserted: the CLI exits 0 with a completed turn holding the model's text, and the server
+answered nothing with a 4xx / 5xx and logged no request as an error."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,18 @@ def agent(name: str) -> str:
     return str(path)
 
 
+@pytest.fixture
+def fixed_home() -> Iterator[Path]:
+    """The same HOME and working folder every run: both CLIs put their paths into the prompt, and a greedy
+    135M model's answer to a 12k-token prompt changes with them; a fixed prompt (but for the date, which
+    the CLIs also write and the recorded turns answer the same way with any date) gives a fixed turn."""
+    root = Path(tempfile.gettempdir()) / "metrale-agent-clis"
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "work").mkdir(parents=True)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def base_env(home: Path) -> dict[str, str]:
     return {"PATH": os.environ["PATH"], "HOME": str(home), "LANG": "C.UTF-8", "NO_COLOR": "1"}
 
@@ -58,12 +70,11 @@ def requests_logged(server: LiveServer, protocol: str) -> list[str]:
 
 
 @pytest.mark.timeout(600)
-def test_claude_code_completes_a_turn_with_the_models_text(agents_server: LiveServer, tmp_path: Path) -> None:
+def test_claude_code_completes_a_turn_with_the_models_text(agents_server: LiveServer, fixed_home: Path) -> None:
     claude = agent("claude")
-    work = tmp_path / "work"
-    work.mkdir()
+    work = fixed_home / "work"
     env = {
-        **base_env(tmp_path),
+        **base_env(fixed_home),
         "ANTHROPIC_BASE_URL": agents_server.base_url,
         "ANTHROPIC_API_KEY": "test",
         "ANTHROPIC_MODEL": "SmolLM2-135M-Instruct-32k",  # a non-Claude name: Claude Code then reads the window below (README)
@@ -78,8 +89,8 @@ def test_claude_code_completes_a_turn_with_the_models_text(agents_server: LiveSe
     texts = [b["text"] for e in events if e.get("type") == "assistant" for b in e["message"]["content"] if b.get("type") == "text"]
     assert any(t.strip() for t in texts), f"no model text in Claude Code's turn ({seconds:.0f}s):\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
     (result,) = [e for e in events if e.get("type") == "result"]
-    if done.returncode != 0:
-        assert result["is_error"] and "output token maximum" in str(result.get("result")), result
+    assert done.returncode == 0 and not result["is_error"] and result["subtype"] == "success", (done.stdout[-6000:], done.stderr[-2000:])
+    assert result["result"].strip() in [t.strip() for t in texts]  # what the CLI printed is the model's text
     logged = requests_logged(agents_server, "anthropic_messages")[before:]
     assert logged and not [line for line in logged if "status=error" in line]
     assert http_errors(agents_server) == errors
@@ -87,26 +98,22 @@ def test_claude_code_completes_a_turn_with_the_models_text(agents_server: LiveSe
 
 
 @pytest.mark.timeout(600)
-def test_codex_exec_completes_a_turn_with_the_models_text(agents_server: LiveServer, tmp_path: Path) -> None:
+def test_codex_exec_completes_a_turn_with_the_models_text(agents_server: LiveServer, fixed_home: Path) -> None:
     codex = agent("codex")
-    home, work = tmp_path / ".codex", tmp_path / "work"
+    home, work = fixed_home / ".codex", fixed_home / "work"
     home.mkdir()
-    work.mkdir()
     (home / "config.toml").write_text(
         'model = "SmolLM2-135M-Instruct-32k"\nmodel_provider = "metrale"\n\n'
         f'[model_providers.metrale]\nname = "Metrale"\nbase_url = "{agents_server.base_url}/v1"\nwire_api = "responses"\nenv_key = "METRALE_API_KEY"\n'
     )
-    env = {**base_env(tmp_path), "CODEX_HOME": str(home), "METRALE_API_KEY": "test"}
+    env = {**base_env(fixed_home), "CODEX_HOME": str(home), "METRALE_API_KEY": "test"}
     errors, before = http_errors(agents_server), len(requests_logged(agents_server, "openai_responses"))
     done, seconds = run_cli([codex, "exec", "--json", "--skip-git-repo-check", "-C", str(work), PROMPT], cwd=work, env=env)
     events = json_lines(done.stdout)
     messages = [e["item"]["text"] for e in events if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"]
     assert any(m.strip() for m in messages), f"no model text in Codex's turn ({seconds:.0f}s):\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
-    if done.returncode != 0:
-        failed = [e for e in events if e.get("type") == "turn.failed"]
-        assert failed and "max_output_tokens" in failed[-1]["error"]["message"], events[-3:]
-    else:
-        assert any(e.get("type") == "turn.completed" for e in events)
+    assert done.returncode == 0, (events[-3:], done.stderr[-2000:])
+    assert [e["type"] for e in events if e.get("type", "").startswith("turn.")] == ["turn.started", "turn.completed"]
     logged = requests_logged(agents_server, "openai_responses")[before:]
     assert logged and not [line for line in logged if "status=error" in line]
     assert http_errors(agents_server) == errors

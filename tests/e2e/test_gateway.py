@@ -1,6 +1,7 @@
 """Gateway workers (workers/gateway.py) in front of a real OpenAI-compatible upstream that is always here:
 our own `met serve` on the default model. A `met serve --upstream …` in front of it is driven with the
-official SDKs; the upstream is killed mid-stream and restarted; the gateway worker is killed mid-stream.
+official SDKs; the upstream is killed mid-stream and restarted; the gateway worker is killed mid-stream
+and, with `--upstream-continue` (our upstream takes `continue_final_message`), the request goes on.
 The same checks run against llama.cpp's server in tests/e2e/test_gateway_llamacpp.py (`./dev test-gateway`)."""
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MetUpstream]:
 def gateway(upstream: MetUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     key_file = tmp_path_factory.mktemp("secrets") / "upstream.key"
     key_file.write_text(UPSTREAM_KEY + "\n")
-    args = ["--upstream", upstream.url, "--upstream-api-key-file", str(key_file), "--upstream-timeout", "5", "--lease", "3", "--drain-timeout", "2"]
+    args = ["--upstream", upstream.url, "--upstream-api-key-file", str(key_file), "--upstream-timeout", "5", "--lease", "3", "--drain-timeout", "2", "--upstream-continue"]
     server = start_server(tmp_path_factory.mktemp("gateway"), *args)
     yield server
     stop_server(server)
@@ -80,7 +81,7 @@ def test_openai_chat_forced_tool_call_through_the_gateway(gateway: LiveServer) -
 
 
 def test_anthropic_messages_through_the_gateway(gateway: LiveServer) -> None:
-    checks.check_anthropic_messages(gateway)
+    checks.check_anthropic_messages(gateway, upstream_names_the_stop=True)
 
 
 def test_openai_responses_through_the_gateway(gateway: LiveServer) -> None:
@@ -110,8 +111,8 @@ def test_the_upstream_key_is_sent_but_never_logged_dumped_or_in_the_heartbeat(ga
         assert UPSTREAM_KEY not in text, where
 
 
-def test_a_gateway_worker_killed_mid_stream_ends_the_request_with_one_error_and_no_duplicate(gateway: LiveServer) -> None:
-    checks.check_gateway_worker_killed_mid_stream(gateway)
+def test_a_gateway_worker_killed_mid_stream_is_continued_by_the_upstream_where_it_stopped(gateway: LiveServer, upstream: MetUpstream) -> None:
+    checks.check_gateway_worker_killed_mid_stream_continues(gateway, upstream.url, UPSTREAM_KEY)
 
 
 def test_the_upstream_killed_mid_stream_gives_each_protocol_one_error_and_a_restart_serves_again(gateway: LiveServer, upstream: MetUpstream) -> None:

@@ -94,7 +94,7 @@ def test_openai_chat_forced_tool_call_through_llamacpp(gateway: LiveServer) -> N
 
 
 def test_anthropic_messages_through_llamacpp(gateway: LiveServer) -> None:
-    checks.check_anthropic_messages(gateway)
+    checks.check_anthropic_messages(gateway, upstream_names_the_stop=False)
 
 
 def test_openai_responses_through_llamacpp(gateway: LiveServer) -> None:
@@ -107,3 +107,7 @@ def test_a_llamacpp_gateway_requests_dump_re_encodes_to_the_bytes_its_client_rec
 
 def test_llamacpp_killed_mid_stream_gives_each_protocol_one_error_and_a_restart_serves_again(gateway: LiveServer, upstream: LlamaCppUpstream) -> None:
     checks.check_upstream_killed_mid_stream(gateway, upstream, all_at_once=False)  # it runs one request at a time
+
+
+def test_a_gateway_worker_killed_mid_stream_in_front_of_llamacpp_ends_with_one_error_and_no_duplicate(gateway: LiveServer) -> None:
+    checks.check_gateway_worker_killed_mid_stream(gateway)  # no --upstream-continue: llama-cpp-python cannot continue a message

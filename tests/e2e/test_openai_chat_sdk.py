@@ -54,6 +54,33 @@ def test_stream_concatenates_to_the_non_streaming_text_for_the_same_seed(live_se
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continue_final_message_extends_the_assistant_text_where_it_stopped(live_server: LiveServer, api: openai.OpenAI) -> None:
+    """vLLM's `continue_final_message`: the first 6 greedy tokens sent back as an open assistant message
+    continue into exactly the 12-token greedy answer (the prompt ends inside the message, not after it)."""
+    prompt = [{"role": "user", "content": "Tell me a short story about a cat."}]
+    whole = api.chat.completions.create(model="m", messages=prompt, temperature=0, max_tokens=12)  # type: ignore[arg-type]
+    head = api.chat.completions.create(model="m", messages=prompt, temperature=0, max_tokens=6)  # type: ignore[arg-type]
+    head_text = head.choices[0].message.content or ""
+    assert head.choices[0].finish_reason == "length" and head_text
+    opened = [*prompt, {"role": "assistant", "content": head_text}]
+    extend = {"continue_final_message": True, "add_generation_prompt": False}
+    rest = api.chat.completions.create(model="m", messages=opened, temperature=0, max_tokens=6, extra_body=extend)  # type: ignore[arg-type]
+    assert head_text + (rest.choices[0].message.content or "") == whole.choices[0].message.content
+    assert rest.usage is not None and head.usage is not None and rest.usage.prompt_tokens == head.usage.prompt_tokens + 6
+    streamed = api.chat.completions.create(model="m", messages=opened, temperature=0, max_tokens=6, extra_body=extend, stream=True)  # type: ignore[call-overload]
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == rest.choices[0].message.content
+    # Without it the same messages open a new assistant turn: a different continuation.
+    fresh = api.chat.completions.create(model="m", messages=opened, temperature=0, max_tokens=6)  # type: ignore[arg-type]
+    assert fresh.usage is not None and fresh.usage.prompt_tokens > rest.usage.prompt_tokens
+    for bad, param in (({"continue_final_message": True}, "continue_final_message"), ({"add_generation_prompt": "no"}, "add_generation_prompt")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.chat.completions.create(model="m", messages=opened, max_tokens=6, extra_body=bad)  # type: ignore[arg-type]
+        assert refused.value.body["param"] == param  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model="m", messages=prompt, max_tokens=6, extra_body=extend)  # type: ignore[arg-type]
+    assert "last message" in refused.value.message
+
+
 def test_a_stream_of_n_choices_carries_each_choice_as_the_non_streaming_request_does(live_server: LiveServer, api: openai.OpenAI) -> None:
     """n > 1 streamed: every choice under its index in one stream, the SDK's accumulator rebuilds them,
     and each equals the same choice of the same request without streaming (choice i samples with seed+i)."""

@@ -166,3 +166,15 @@ def test_reasoning_goes_out_under_both_names_and_the_seal_adds_no_chunk() -> Non
     assert [(d["reasoning_content"], d["reasoning"]) for d in reasoning] == [("Six sevens", "Six sevens"), (" are 42.", " are 42.")]
     message = _accumulated("sealed_reasoning_then_text").choice()["message"]
     assert message["reasoning_content"] == message["reasoning"] == "Six sevens are 42."
+
+
+def test_a_stop_sequence_finish_names_the_stop_as_vllms_stop_reason_streamed_and_not() -> None:
+    [finish] = [p for p in payloads(run("stop_sequence")) if p != "[DONE]" and p["choices"][0]["finish_reason"]]
+    assert finish["choices"][0]["finish_reason"] == "stop" and finish["choices"][0]["stop_reason"] == "three"
+    ChatCompletionChunk.model_validate(finish)
+    whole = ChatCompletionAccumulator(request(Protocol.OPENAI_CHAT))
+    for delta in SCENARIOS["stop_sequence"]:
+        whole.feed(delta)
+    assert whole.choice(0)["stop_reason"] == "three"
+    [plain] = [p for p in payloads(run("plain_text")) if p != "[DONE]" and p["choices"][0]["finish_reason"]]
+    assert "stop_reason" not in plain["choices"][0]  # only a stop sequence says which one

@@ -163,6 +163,29 @@ def test_without_the_generation_prompt_the_render_ends_after_the_last_turn(rende
     assert with_prompt[: len(without)] == without and renderer.tokenizer.decode(with_prompt[len(without) :]) == "<|im_start|>assistant\n"
 
 
+@pytest.mark.parametrize("tail", ["", " ", "\n\n"])
+def test_continue_final_message_leaves_the_assistant_turn_open_after_its_text_whitespace_included(renderer: PromptRenderer, tail: str) -> None:
+    question = message(Role.USER, "Hi")
+    opened = renderer.render_messages((question,))
+    continued = renderer.render_messages((question, message(Role.ASSISTANT, "Hello there," + tail)), add_generation_prompt=False, continue_final_message=True)
+    assert continued[: len(opened)] == opened
+    assert renderer.tokenizer.decode(continued[len(opened) :]) == "Hello there," + tail
+    request = Request(id="r", protocol=Protocol.OPENAI_CHAT, model="m", messages=(question, message(Role.ASSISTANT, "Hello there," + tail)))
+    closed = renderer.render(request)  # the default: the assistant turn is closed and a new one opened
+    assert renderer.tokenizer.decode(closed[len(opened) :]).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert renderer.render(replace(request, add_generation_prompt=False, continue_final_message=True)) == continued
+
+
+def test_continue_final_message_keeps_the_trailing_whitespace_a_trimming_template_drops(renderer: PromptRenderer) -> None:
+    import copy
+
+    tokenizer = copy.deepcopy(renderer.tokenizer)
+    tokenizer.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+    trimming = PromptRenderer(tokenizer, renderer.info)
+    ids = trimming.render_messages((message(Role.USER, "Hi"), message(Role.ASSISTANT, "Hello there,\n")), add_generation_prompt=False, continue_final_message=True)
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\nHello there,\n")
+
+
 class _BosTokenizer:
     """A tokenizer that, like Llama's, adds a BOS (id 1) by default: one id per character otherwise."""
 

@@ -4,14 +4,16 @@ nothing listens stands for an upstream that is down (a real refused connection, 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from redis.asyncio import Redis
 
 from cli.embedded_redis import free_port
-from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason
-from shared.ir import Message, Protocol, Request, Role, TextPart
+from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, Reasoning, ToolCallStart, Usage
+from shared.ir import Constraint, ConstraintKind, Message, Protocol, Request, Role, SamplingParams, TextPart
 from shared.settings import Settings
-from workers.gateway import RESUME_MESSAGE, Gateway, GatewayLoop, Upstream
+from workers.gateway import RESUME_MESSAGE, Continuation, Gateway, GatewayLoop, Upstream
+from workers.upstream_request import chat_body, continue_body
 
 
 def request(rid: str) -> Request:
@@ -60,4 +62,35 @@ async def test_a_cancel_ends_the_request_once_and_stops_its_upstream_task() -> N
     assert engine.cancel("r") == [] and engine.active_ids() == []
     await asyncio.sleep(0.05)
     assert not engine.has_work()  # the task is gone: nothing more comes for it
+    await engine.aclose()
+
+
+def test_only_text_written_to_an_upstream_that_continues_is_continued_and_the_rest_ends_with_one_error() -> None:
+    plain = Gateway(Upstream(base_url="http://127.0.0.1:1/v1", model="m"))
+    continues = Gateway(Upstream(base_url="http://127.0.0.1:1/v1", model="m", continues=True), count_tokens=lambda text: len(text.split()))
+    text = [Content(text="Paris is ", attempt=1), Content(text="the capital", attempt=1)]
+    assert plain.continuation(request("r"), text) is None  # no --upstream-continue
+    assert continues.continuation(request("r"), text) == Continuation(text="Paris is the capital", tokens=4)
+    assert continues.continuation(request("r"), [Reasoning(text="hm"), *text]) is None
+    assert continues.continuation(request("r"), [*text, ToolCallStart(index=0, id="c", name="f")]) is None
+    constrained = replace(request("r"), constraint=Constraint(kind=ConstraintKind.JSON_OBJECT, text=""))
+    assert continues.continuation(constrained, text) is None  # the upstream's grammar would restart at the prefix
+
+
+def test_a_continued_request_sends_its_text_back_open_with_the_max_tokens_left_and_counts_both_parts() -> None:
+    req = replace(request("r"), sampling=SamplingParams(max_tokens=50), prompt_token_ids=tuple(range(12)))
+    body = continue_body(chat_body(req, model="up"), "Paris is", max_tokens=46)
+    assert body["messages"][-1] == {"role": "assistant", "content": "Paris is"} and body["messages"][:-1] == chat_body(req, model="up")["messages"]
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False and body["max_tokens"] == 46
+    usage = Gateway._usage(req, Continuation(text="Paris is", tokens=4), Usage(prompt_tokens=16, completion_tokens=46))
+    assert (usage.prompt_tokens, usage.completion_tokens) == (12, 50)
+
+
+async def test_a_continued_request_with_no_tokens_left_finishes_at_length_without_asking_the_upstream() -> None:
+    engine = Gateway(Upstream(base_url=f"http://127.0.0.1:{free_port()}/v1", model="m", continues=True, connect_timeout_s=0.2))
+    req = replace(request("r"), sampling=SamplingParams(max_tokens=3))
+    engine.add(req, attempt=2, continuing=Continuation(text="a b c", tokens=3))
+    [emission] = await until_emitted(engine)
+    assert emission.delta == Finish(reason=FinishReason.LENGTH, usage=Usage(completion_tokens=3), attempt=2)
+    assert engine.stats.upstream_errors == 0  # nothing was sent
     await engine.aclose()
