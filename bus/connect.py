@@ -79,12 +79,15 @@ def _node(host_port: str) -> ClusterNode:
     return ClusterNode(host.strip("[]"), int(port))
 
 
-def queue_script(pipe: Any, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> None:
-    """Queue `script` on a pipeline of either client. A standalone pipeline loads it once (EVALSHA);
-    a cluster pipeline cannot (the script may be missing on the node the slot lives on), so it sends
-    the body (EVAL), which every node accepts."""
+def queue_script(pipe: Any, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any], *, loaded: bool = False) -> None:
+    """Queue `script` on a pipeline of either client. A standalone pipeline runs it by its hash
+    (EVALSHA); unless the caller knows the server has it (`loaded`: an earlier pipeline ran it, and
+    no NoScriptError since), the pipeline first checks and loads it, which costs one more round trip
+    (redis-py's SCRIPT EXISTS at every execute). A cluster pipeline cannot rely on either (the script
+    may be missing on the node the slot lives on), so it sends the body (EVAL), which every node accepts."""
     if isinstance(pipe, Pipeline):
-        pipe.scripts.add(cast(Any, script))  # typed as the sync Script; the async pipeline holds AsyncScripts
+        if not loaded:
+            pipe.scripts.add(cast(Any, script))  # typed as the sync Script; the async pipeline holds AsyncScripts
         pipe.evalsha(script.sha, len(keys), *keys, *args)
     else:
         pipe.eval(script.script, len(keys), *keys, *args)

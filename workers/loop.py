@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Generic, Protocol, TypeVar
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from bus.connect import queue_script
 from shared import keys
@@ -92,6 +92,7 @@ class ClaimLoop(Generic[E]):
         self.operator_cancels: set[str] = set()  # requests an operator cancelled, until their Error is written
         self.stale_total = 0
         self._fenced = redis.register_script(leases.FENCED_WRITE)
+        self._fenced_loaded = False  # the server has it (a pipeline ran it, no NoScriptError since): no SCRIPT EXISTS
         self._due: dict[str, float] = defaultdict(float)
         self.faults = fault_injection(settings)
         self.outbox: list[Emission] = []  # deltas not written yet (Redis did not answer), in order
@@ -350,8 +351,13 @@ class ClaimLoop(Generic[E]):
                 held, batch = self.held[rid], by_request[rid]
                 terminal = next((e for e in batch if e.terminal), None)
                 args: list[Any] = [held.attempt, self.settings.dump_ttl, self._outcome(terminal), now, terminal.batch_max if terminal else 0, held.written]
-                queue_script(pipe, self._fenced, _script_keys(rid), [*args, *(encode_delta(e.delta) for e in batch)])
-            results = await pipe.execute()
+                queue_script(pipe, self._fenced, _script_keys(rid), [*args, *(encode_delta(e.delta) for e in batch)], loaded=self._fenced_loaded)
+            try:
+                results = await pipe.execute()
+            except NoScriptError:  # a restarted (or flushed) Redis lost it: the next try loads it again
+                self._fenced_loaded = False
+                raise
+        self._fenced_loaded = self._fenced_loaded or bool(rids)
         self.outbox = []
         for rid, written in zip(rids, results, strict=True):
             terminal = next((e for e in by_request[rid] if e.terminal), None)

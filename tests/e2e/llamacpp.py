@@ -29,7 +29,8 @@ def missing_message() -> str | None:
     return None
 
 
-def llamacpp_command(port: int) -> list[str]:
+def llamacpp_command(port: int, *, threads: int | None = 2) -> list[str]:
+    """The server's command line; `threads` None leaves llama-cpp-python's own default (half the cores)."""
     problem = missing_message()
     if problem:
         raise RuntimeError(problem)
@@ -45,8 +46,7 @@ def llamacpp_command(port: int) -> list[str]:
         CHAT_FORMAT,
         "--n_ctx",
         "8192",
-        "--n_threads",
-        "2",
+        *(["--n_threads", str(threads)] if threads is not None else []),
         # Its default (True) cuts the running stream whenever another request arrives (a second client,
         # or a gateway worker's health probe): a gateway in front needs it off.
         "--interrupt_requests",

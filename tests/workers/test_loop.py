@@ -114,6 +114,29 @@ def faulty(tmp_path: Path) -> dict[str, Any]:
     return {"data_dir": str(tmp_path), "fail_on": "BAD"}
 
 
+def test_the_fenced_write_skips_the_script_check_once_loaded_and_reloads_after_a_script_flush(redis_server: str) -> None:
+    async def body(redis: Redis) -> None:
+        rids = [f"flush-{i}-{time.monotonic_ns()}" for i in range(2)]
+        loop = make_loop(redis)
+        await queue(redis, make_request(rids[0]))
+        await until_done(loop, redis, rids[:1])
+        assert loop._fenced_loaded  # later pipelines run EVALSHA without redis-py's SCRIPT EXISTS round trip
+        await redis.script_flush()  # what a restarted Redis has: no scripts
+        await queue(redis, make_request(rids[1]))
+        for _ in range(2000):
+            try:
+                await loop.step_once()
+            except Exception as exc:  # noqa: BLE001 - the loop must handle it, not raise
+                raise AssertionError(f"the loop raised {exc!r}") from exc
+            if not loop.held and any(is_terminal(d) for d in await recorded(redis, rids[1])):
+                break
+        deltas = await recorded(redis, rids[1])
+        assert text(deltas) == reply(rids[1]) and [type(d) for d in deltas if is_terminal(d)] == [Finish]
+        assert loop._fenced_loaded and loop.redis_outages >= 1  # the NOSCRIPT was taken for an outage, then the script reloaded
+
+    run(redis_server, body)
+
+
 def test_a_request_that_fails_every_step_fails_alone_and_its_batch_mates_finish(redis_server: str, tmp_path: Path) -> None:
     async def body(redis: Redis) -> None:
         rids = [f"mate-{i}-{time.monotonic_ns()}" for i in range(5)]
