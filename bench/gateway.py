@@ -152,6 +152,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--pin", action="store_true", help="diagnosis, not a headline: the upstream on CPU 0, the gateway and this client on CPU 1")
     parser.add_argument("--upstream-threads", type=int, default=None, help="llama.cpp's --n_threads (default: its own, half the cores)")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
@@ -167,6 +168,10 @@ def main() -> None:
         ttfts: dict[str, list[float]] = {"direct": [], "gateway": []}
         rates: dict[str, list[float]] = {"direct": [], "gateway": []}
         watched = processes(procs[0], procs[1])
+        if args.pin:  # does the gateway cost the upstream time only by sharing its cores?
+            for role, members in watched.items():
+                for proc in members:
+                    proc.cpu_affinity([0] if role == "upstream" else [1])
         cpu: dict[str, dict[str, float]] = {"direct": {}, "gateway": {}}
         chunks = {"direct": 0, "gateway": 0}
         spans: dict[str, list[tuple[float, float, float]]] = {"direct": [], "gateway": []}
@@ -185,12 +190,17 @@ def main() -> None:
         p50 = {k: statistics.median(v) * 1000 for k, v in ttfts.items()}
         tput = {k: statistics.mean(v) for k, v in rates.items()}
         threads = f" ({args.upstream_threads or 'default'} threads)" if args.upstream == "llamacpp" else ""
+        threads += " (pinned: upstream on CPU 0, the rest on CPU 1)" if args.pin else ""
         print(f"upstream: {args.upstream}{threads}; {args.requests} requests x 2 rounds, {args.concurrency} concurrent, {args.max_tokens} tokens each")
         print(f"TTFT p50 direct {p50['direct']:.1f} ms, through the gateway {p50['gateway']:.1f} ms: overhead {p50['gateway'] - p50['direct']:+.1f} ms (target <= 10)")
         print(f"throughput direct {tput['direct']:.1f} chars/s, through the gateway {tput['gateway']:.1f} chars/s: ratio {tput['gateway'] / tput['direct']:.3f}x (target >= 0.95)")
         for name in ("direct", "gateway"):
             first, last, end = (statistics.median(x[i] for x in spans[name]) * 1000 for i in range(3))
-            print(f"request p50, {name}: first content {first:.1f} ms, last content {last:.1f} ms, end of stream {end:.1f} ms")
+            ends = [x[2] * 1000 for x in spans[name]]
+            print(
+                f"request p50, {name}: first content {first:.1f} ms, last content {last:.1f} ms, end of stream {end:.1f} ms"
+                f" (mean {statistics.mean(ends):.1f}, max {max(ends):.1f})"
+            )
         for name in ("direct", "gateway"):
             per = {role: 1000 * seconds / max(1, chunks[name]) for role, seconds in cpu[name].items()}
             shown = ", ".join(f"{role} {value:.2f}" for role, value in per.items())

@@ -179,10 +179,12 @@ class Gateway:
     async def step(self, *, wait_s: float = 0.05) -> list[Emission]:
         """What the requests produced since the last step (waiting up to `wait_s` for the first)."""
         out: list[Emission] = []
-        try:
-            out.append(await asyncio.wait_for(self._ready.get(), timeout=wait_s))
-        except TimeoutError:
-            return out
+        if self._ready.empty():
+            try:
+                async with asyncio.timeout(wait_s):  # a timer handle, not the task wait_for would wrap each call in
+                    out.append(await self._ready.get())
+            except TimeoutError:
+                return out
         while not self._ready.empty():
             out.append(self._ready.get_nowait())
         # What a cancelled task queued before its cancel is dropped by the loop: the cancel's terminal
