@@ -55,11 +55,13 @@ def test_claude_codes_requests_stream_through_the_sdk_accumulator(agents_server:
     record = recorded(path)
     body = record["body"]
     errors = http_errors(agents_server)
-    client = anthropic.Anthropic(base_url=agents_server.base_url, api_key="test", max_retries=0, timeout=600)
     # The SDK's arguments are placeholders; extra_body puts back the recorded body whole (it wins over them).
-    with client.messages.stream(
-        model=body["model"], max_tokens=1, messages=[], extra_body=body, extra_headers=record["headers"], extra_query=record["query"]
-    ) as stream:
+    with (
+        anthropic.Anthropic(base_url=agents_server.base_url, api_key="test", max_retries=0, timeout=600) as client,
+        client.messages.stream(
+            model=body["model"], max_tokens=1, messages=[], extra_body=body, extra_headers=record["headers"], extra_query=record["query"]
+        ) as stream,
+    ):
         final = stream.get_final_message()
     assert final.model == body["model"] and final.stop_reason in ("end_turn", "max_tokens", "tool_use")
     assert final.usage.output_tokens <= AGENT_OUTPUT_CAP and final.content
@@ -97,10 +99,12 @@ def test_codexs_requests_stream_through_the_sdk_accumulator(agents_server: LiveS
     record = recorded(path)
     body = record["body"]
     errors = http_errors(agents_server)
-    client = openai.OpenAI(base_url=f"{agents_server.base_url}/v1", api_key="test", max_retries=0, timeout=600)
     # Iterating runs every event through the SDK's stream state machine; get_final_response() only takes a
     # `response.completed`, and a turn cut by --max-output-tokens ends in `response.incomplete`.
-    with client.responses.stream(model=body["model"], input=[], extra_body=body, extra_headers=record["headers"]) as stream:
+    with (
+        openai.OpenAI(base_url=f"{agents_server.base_url}/v1", api_key="test", max_retries=0, timeout=600) as client,
+        client.responses.stream(model=body["model"], input=[], extra_body=body, extra_headers=record["headers"]) as stream,
+    ):
         events = list(stream)
     terminal = events[-1]
     assert terminal.type in ("response.completed", "response.incomplete"), terminal
