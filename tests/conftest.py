@@ -83,14 +83,14 @@ def start_server(
     return LiveServer(base_url=base, redis_url=redis_url, proc=proc, data_dir=data_dir, log_path=log_path)
 
 
-def wait_for(what: str, check: Callable[[], object], timeout: float = 60.0) -> object:
-    """Poll `check` until it returns something truthy (returned), or fail naming `what`."""
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.05) -> Any:
+    """Poll `check` every `interval` s until it returns something truthy (returned), or fail naming `what`."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         value = check()
         if value:
             return value
-        time.sleep(0.05)
+        time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
 
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,7 +19,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 
-from ..conftest import LiveServer
+from ..conftest import LiveServer, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 GREEDY = {"temperature": 0.0}
@@ -229,13 +227,6 @@ def content_before_error(protocol: str, events: list[tuple[str, str]]) -> str:
     return "".join(out)
 
 
-def wait_for(predicate: Callable[[], bool], *, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
 
 def ready(gateway: LiveServer) -> httpx.Response:
@@ -260,12 +251,12 @@ def check_upstream_killed_mid_stream(gateway: LiveServer, upstream: UpstreamProc
         if i == 0:
             check_upstream_down(gateway)
         upstream.restart()
-        wait_for(lambda: ready(gateway).status_code == 200, timeout=60, what="/ready after the upstream restarted")
+        wait_for("/ready after the upstream restarted", lambda: ready(gateway).status_code == 200, timeout=60, interval=0.25)
         check_each_protocol_answers(gateway)
 
 
 def check_upstream_down(gateway: LiveServer) -> None:
-    wait_for(lambda: ready(gateway).status_code == 503, timeout=60, what="/ready to report the upstream down")
+    wait_for("/ready to report the upstream down", lambda: ready(gateway).status_code == 503, timeout=60, interval=0.25)
     body = ready(gateway).json()
     assert body["status"] == "upstream_unhealthy" and body["gateways"] and not body["gateways"][0]["healthy"]
     assert re.search(r"^met_upstream_healthy\{.*\} 0\.0$", httpx.get(gateway.base_url + "/metrics", timeout=10).text, re.MULTILINE)
@@ -368,7 +359,7 @@ def check_gateway_worker_killed_mid_stream(gateway: LiveServer) -> None:
     assert content_before_error("openai_chat", events).startswith(sent_before)
     request_ids = {json.loads(d)["id"] for _, d in events if d != "[DONE]" and "id" in json.loads(d)}
     assert len(request_ids) == 1
-    wait_for(lambda: ready(gateway).status_code == 200, timeout=120, what="a new gateway worker")
+    wait_for("a new gateway worker", lambda: ready(gateway).status_code == 200, timeout=120, interval=0.25)
     check_each_protocol_answers(gateway)
 
 
@@ -413,7 +404,7 @@ def check_gateway_worker_killed_mid_stream_continues(gateway: LiveServer, upstre
     usage = payloads[-1]["usage"]
     [finish] = [d for d in deltas if isinstance(d, Finish)]
     assert usage["completion_tokens"] == finish.usage.completion_tokens == 160 and usage["prompt_tokens"] == len(_prompt_ids(gateway, user))
-    wait_for(lambda: ready(gateway).status_code == 200, timeout=120, what="a new gateway worker")
+    wait_for("a new gateway worker", lambda: ready(gateway).status_code == 200, timeout=120, interval=0.25)
 
 
 def _prompt_ids(gateway: LiveServer, messages: list[dict[str, str]]) -> list[int]:
@@ -439,4 +430,4 @@ def check_client_disconnect_closes_the_upstream_request(gateway: LiveServer, ups
         outcomes = [upstream_server.redis().hget(keys.request_meta(rid.decode()), "outcome") for rid in upstream_ids]
         return outcomes == [b"cancelled"]
 
-    wait_for(upstream_cancelled, timeout=120, what="the upstream to record its request as cancelled")
+    wait_for("the upstream to record its request as cancelled", upstream_cancelled, timeout=120, interval=0.25)

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from ..conftest import ROOT, LiveServer, start_server, stop_server
+from ..conftest import ROOT, LiveServer, start_server, stop_server, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -68,14 +68,8 @@ def line(custom_id: str, body: dict[str, Any], url: str = "/v1/chat/completions"
     return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
 
 
-def wait_until(what: str, check: Callable[[], Any], timeout: float = 240.0) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
+def wait_until(what: str, check: Callable[[], Any]) -> Any:
+    return wait_for(what, check, timeout=240.0, interval=0.3)
 
 
 def submit(oai: openai.OpenAI, rows: list[Any], endpoint: str = "/v1/chat/completions") -> Any:
