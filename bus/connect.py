@@ -19,6 +19,11 @@ per-token traffic (the delta streams) spreads over every slot. They are not shar
 
 `RedisCluster` is not a subclass of `Redis` but answers the same commands this code uses, so
 `connect` is typed as `Redis` for its callers.
+
+Every client retries a command once, quickly, on a connection error (`quick_retry`). redis-py's
+`from_url` retries nothing, so after a Redis restart the first command on each pooled connection (dead
+since the restart, still in the pool) failed: the API answered its first request after an outage with
+a 503. One retry reconnects it; a longer outage each role rides out itself (ingest.tail, workers.loop).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from urllib.parse import unquote, urlsplit
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -44,10 +51,17 @@ def is_cluster(redis: Any) -> bool:
     return isinstance(redis, RedisCluster)
 
 
+def quick_retry() -> Retry:
+    """One retry after 50 ms: enough to replace a connection the server closed, short enough that a
+    role which steps on through an outage (the worker) does not stall on each command."""
+    return Retry(ExponentialBackoff(cap=0.2, base=0.05), 1)
+
+
 def connect(url: str, **options: Any) -> Redis:
     """An asyncio client for `url`: a cluster client for a `+cluster` URL (`--redis-cluster` turns a
     plain URL into one: shared.settings.Settings.cluster_url). `options` go to either client (e.g. the
-    worker's `retry` and `socket_connect_timeout`)."""
+    worker's `socket_connect_timeout`); `retry` defaults to `quick_retry()`."""
+    options.setdefault("retry", quick_retry())
     if not is_cluster_url(url):
         return Redis.from_url(url, **options)
     return cast(Redis, RedisCluster(**cluster_options(url), **options))

@@ -14,8 +14,6 @@ from functools import partial
 from typing import Any, TypeVar
 
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
 from bus.connect import connect
@@ -73,10 +71,9 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
 
 
 def redis_client(url: str) -> Redis:
-    """The worker's client: one quick retry per command. The loop rides out a longer outage itself
-    (workers.loop), stepping on while it waits, which redis-py's default (ten backed-off retries per
-    command) would stall."""
-    return connect(url, retry=Retry(ExponentialBackoff(cap=0.2, base=0.05), 1), socket_connect_timeout=2.0)
+    """The worker's client: one quick retry per command (bus.connect.quick_retry) and a short connect
+    timeout. The loop rides out a longer outage itself (workers.loop), stepping on while it waits."""
+    return connect(url, socket_connect_timeout=2.0)
 
 
 async def run_worker(settings: Settings) -> None:

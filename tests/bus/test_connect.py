@@ -1,11 +1,16 @@
-"""bus.connect: which client a URL gets, and how a cluster URL is read (no server needed)."""
+"""bus.connect: which client a URL gets, how a cluster URL is read (no server needed), and that a
+client rides out a Redis restart (a real redis-server)."""
 
 from __future__ import annotations
+
+import asyncio
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis, RedisCluster
 
 from bus.connect import cluster_options, connect, is_cluster_url
+from cli.embedded_redis import EmbeddedRedis
 from shared.settings import Settings
 
 
@@ -31,3 +36,28 @@ def test_redis_cluster_setting_spells_the_url_as_a_cluster_url() -> None:
     assert settings.redis_url == "redis+cluster://:pw@r1:6379/0"
     assert Settings(redis_url="redis://r1:6379").cluster_url().redis_url == "redis://r1:6379"
     assert Settings.from_env({"MET_REDIS_CLUSTER": "1", "REDIS_URL": "redis://r1:1"}).cluster_url().redis_url == "redis+cluster://r1:1"
+
+
+@pytest.mark.redis
+def test_a_client_whose_pooled_connection_died_in_a_redis_restart_answers_its_next_command(tmp_path: Path) -> None:
+    """The API's first request after a Redis restart got a 503: its pooled connection was dead and
+    redis-py's from_url retries nothing. Every role's client now reconnects once (bus.connect.quick_retry)."""
+    server = EmbeddedRedis(str(tmp_path))
+    url = server.start()
+
+    async def scenario() -> bytes | None:
+        redis = connect(url)
+        try:
+            await redis.set("k", "v")  # one pooled connection, idle from here
+            assert server.proc is not None
+            server.proc.kill()  # kill -9; the AOF keeps the key
+            server.proc.wait()
+            await asyncio.to_thread(server.start)  # same port
+            return await redis.get("k")
+        finally:
+            await redis.aclose()
+
+    try:
+        assert asyncio.run(scenario()) == b"v"
+    finally:
+        server.stop()
