@@ -30,6 +30,7 @@ from shared.redact import redact_url
 from shared.settings import Settings
 
 REFRESH_S = 1.0
+REDIS_TIMEOUT_S = 5.0  # a Redis that stops answering shows as unreachable instead of freezing the refresh
 
 # The worker id is `<host>-<pid>-<hex>`, so host and pid need no columns of their own. Both tables are
 # built to fit a 140-column terminal: free-text cells are cut to CAPS, and the columns are rebuilt on
@@ -178,7 +179,7 @@ class TopApp(App[None]):
         self.redis_url = redis_url
         self.heartbeat_ttl = settings.heartbeat_ttl
         self.banner = title
-        self.redis = connect(redis_url)
+        self.redis = connect(redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S)
         self.snapshot: Snapshot | None = None
         self.history = ThroughputHistory()
         self.paused = False

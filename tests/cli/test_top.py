@@ -3,6 +3,7 @@ server under load (e2e), and as the screen of `met serve` on a pseudo-terminal (
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import pty
@@ -86,7 +87,9 @@ async def test_the_dashboard_marks_a_dead_worker_opens_a_request_cancels_it_paus
     await redis.xadd(keys.delta_stream("req-1"), {"d": encode_delta(Content(text="Bonjour", token_ids=(5,)))})
     app = TopApp(url, settings=Settings.from_env({}))
 
-    async with app.run_test(size=SIZE) as pilot:
+    # One CI run hung here past pytest-timeout's 300 s with no trace of where; a bounded body fails
+    # with the traceback of the await it was stuck in.
+    async with asyncio.timeout(200), app.run_test(size=SIZE) as pilot:
         snap = await wait_for(pilot, app, lambda s: len(s.workers) == 2 and len(s.active) == 1)
         assert {w.id: w.dead for w in snap.workers} == {"w-live": False, "w-dead": True}
         workers = app.query_one("#workers")
