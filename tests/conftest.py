@@ -5,6 +5,7 @@ The live server is started once per session as a subprocess, exactly as a user w
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -38,6 +39,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("e2e") or REDIS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.redis)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_garbage_per_module() -> Iterator[None]:
+    """What a module's tests left unclosed (an SDK client's socket, an asyncio transport) is collected
+    at that module's end, so its ResourceWarning (an error here: filterwarnings) fails that module's
+    last test, not whichever later test the garbage collector happened to run in."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)

@@ -235,8 +235,8 @@ def test_a_key_sees_only_its_own_files_and_batches(oai: openai.OpenAI, server: L
     with anthropic.Anthropic(base_url=server.base_url, api_key=OTHER_KEY, max_retries=0) as other_claude, pytest.raises(anthropic.NotFoundError):
         other_claude.messages.batches.retrieve(batch.id)
     assert finished(oai, batch.id).status == "completed"
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0).files.list()
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0) as wrong, pytest.raises(openai.AuthenticationError):
+        wrong.files.list()
 
 
 def met_batch(server: LiveServer, *args: str) -> subprocess.CompletedProcess[str]:

@@ -60,14 +60,14 @@ def test_the_default_max_model_len_is_the_models_own_context(live_server: LiveSe
 
 
 def test_a_max_tokens_past_the_context_is_clamped_on_every_protocol(clamping: LiveServer) -> None:
-    chat = openai.OpenAI(base_url=f"{clamping.base_url}/v1", api_key="x", max_retries=0, timeout=120)
-    completion = chat.chat.completions.create(model="m", messages=HI, max_tokens=100_000, temperature=0)
+    with openai.OpenAI(base_url=f"{clamping.base_url}/v1", api_key="x", max_retries=0, timeout=120) as chat:
+        completion = chat.chat.completions.create(model="m", messages=HI, max_tokens=100_000, temperature=0)
+        response = chat.responses.create(model="m", input="Say hi.", max_output_tokens=100_000, temperature=0)
     assert completion.usage is not None and completion.usage.total_tokens <= CONTEXT
-    response = chat.responses.create(model="m", input="Say hi.", max_output_tokens=100_000, temperature=0)
     assert response.usage is not None and response.usage.total_tokens <= CONTEXT
     assert response.max_output_tokens == CONTEXT - response.usage.input_tokens  # the clamped limit is what runs
     claude = anthropic.Anthropic(base_url=clamping.base_url, api_key="x", max_retries=0, timeout=120)
-    with claude.messages.stream(model="claude-opus-5-5", max_tokens=128_000, messages=HI, extra_body={"temperature": 0}) as stream:
+    with claude, claude.messages.stream(model="claude-opus-5-5", max_tokens=128_000, messages=HI, extra_body={"temperature": 0}) as stream:
         message = stream.get_final_message()
     assert message.model == "claude-opus-5-5" and message.usage.input_tokens + message.usage.output_tokens <= CONTEXT
     assert message.stop_reason in ("end_turn", "max_tokens")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -43,13 +44,24 @@ def recorded_ids(server: LiveServer) -> set[str]:
     return {m.decode() for m in members}
 
 
+@pytest.fixture
+def sdk(live_server: LiveServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture
+def claude(live_server: LiveServer) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=live_server.base_url, api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
 def recorded_status(server: LiveServer, request_id: str) -> str:
     raw = server.redis().hgetall(keys.request_meta(request_id))
     return display_status(parse_meta(raw))
 
 
-def test_openai_chat_stream_ends_with_an_error_event(live_server: LiveServer) -> None:
-    sdk = openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def test_openai_chat_stream_ends_with_an_error_event(live_server: LiveServer, sdk: openai.OpenAI) -> None:
     stream = sdk.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1000, temperature=0, stream=True)
     first = next(iter(stream))
     operator_cancel(live_server, first.id.removeprefix("chatcmpl-"))
@@ -59,9 +71,8 @@ def test_openai_chat_stream_ends_with_an_error_event(live_server: LiveServer) ->
     assert recorded_status(live_server, first.id.removeprefix("chatcmpl-")) == "cancelled"
 
 
-def test_openai_chat_without_stream_gets_an_error_body(live_server: LiveServer) -> None:
+def test_openai_chat_without_stream_gets_an_error_body(live_server: LiveServer, sdk: openai.OpenAI) -> None:
     before = recorded_ids(live_server)
-    sdk = openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     outcome: dict[str, Any] = {}
 
     def ask() -> None:
@@ -84,9 +95,8 @@ def test_openai_chat_without_stream_gets_an_error_body(live_server: LiveServer) 
     assert CANCELLED_BY_OPERATOR in error.message
 
 
-def test_anthropic_stream_ends_with_an_error_event(live_server: LiveServer) -> None:
-    sdk = anthropic.Anthropic(base_url=live_server.base_url, api_key="unused", max_retries=0, timeout=120)
-    with sdk.messages.stream(model="m", messages=MESSAGES, max_tokens=1000) as stream:
+def test_anthropic_stream_ends_with_an_error_event(live_server: LiveServer, claude: anthropic.Anthropic) -> None:
+    with claude.messages.stream(model="m", messages=MESSAGES, max_tokens=1000) as stream:
         events = iter(stream)
         start = next(events)
         assert start.type == "message_start"
@@ -98,8 +108,7 @@ def test_anthropic_stream_ends_with_an_error_event(live_server: LiveServer) -> N
     assert raised.value.body["error"]["type"] == "api_error"  # type: ignore[index]
 
 
-def test_responses_stream_ends_with_response_failed(live_server: LiveServer) -> None:
-    sdk = openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+def test_responses_stream_ends_with_response_failed(live_server: LiveServer, sdk: openai.OpenAI) -> None:
     stream = sdk.responses.create(model="m", input=LONG, max_output_tokens=1000, temperature=0, stream=True)
     events = iter(stream)
     created = next(events)

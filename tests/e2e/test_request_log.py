@@ -28,8 +28,8 @@ def lines_of(server: LiveServer, request_id: str) -> list[str]:
 
 @pytest.mark.e2e
 def test_each_finished_request_gets_one_line_without_its_body_or_key(live_server: LiveServer) -> None:
-    sdk = openai.OpenAI(base_url=live_server.base_url + "/v1", api_key=SECRET + "-key", max_retries=0, timeout=120)
-    chat = sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": f"Say hi. {SECRET}"}], max_tokens=3, temperature=0)
+    with openai.OpenAI(base_url=live_server.base_url + "/v1", api_key=SECRET + "-key", max_retries=0, timeout=120) as sdk:
+        chat = sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": f"Say hi. {SECRET}"}], max_tokens=3, temperature=0)
     chat_id = chat.id.removeprefix("chatcmpl-")
     (line,) = lines_of(live_server, chat_id)
     assert f"{chat_id} openai_chat model=m status={chat.choices[0].finish_reason}" in line
@@ -37,7 +37,7 @@ def test_each_finished_request_gets_one_line_without_its_body_or_key(live_server
     assert f"prompt_tokens={chat.usage.prompt_tokens} output_tokens={chat.usage.completion_tokens}" in line
     assert "ttft=" in line and "ttft=-" not in line and " total=" in line and line.endswith("client=127.0.0.1")
     messages = anthropic.Anthropic(base_url=live_server.base_url, api_key="unused", max_retries=0, timeout=120)
-    with messages.messages.stream(model="claude-x", messages=[{"role": "user", "content": "Hi"}], max_tokens=2) as stream:
+    with messages, messages.messages.stream(model="claude-x", messages=[{"role": "user", "content": "Hi"}], max_tokens=2) as stream:
         final = stream.get_final_message()
     (streamed,) = lines_of(live_server, final.id.removeprefix("msg_"))
     assert "anthropic_messages model=claude-x status=" in streamed and "output_tokens=" in streamed

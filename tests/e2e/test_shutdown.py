@@ -66,22 +66,22 @@ def running(pids: list[int]) -> list[int]:
 
 def stream_through_ctrl_c(base: str, ctrl_c: Callable[[], object]) -> tuple[str, str | None, int]:
     """Stream a completion, press Ctrl-C after a few chunks, read on to the end: (id, finish_reason, tokens)."""
-    sdk = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-    stream = sdk.chat.completions.create(
-        model="m",
-        messages=[{"role": "user", "content": "Count from 1 to 100."}],
-        max_tokens=MAX_TOKENS,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
     finish, tokens, chunk_id = None, 0, ""
-    for i, chunk in enumerate(stream):
-        chunk_id = chunk.id
-        if i == 3:
-            ctrl_c()
-        finish = next((c.finish_reason for c in chunk.choices if c.finish_reason), finish)
-        tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+    with openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120) as sdk:
+        stream = sdk.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "Count from 1 to 100."}],
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        for i, chunk in enumerate(stream):
+            chunk_id = chunk.id
+            if i == 3:
+                ctrl_c()
+            finish = next((c.finish_reason for c in chunk.choices if c.finish_reason), finish)
+            tokens = chunk.usage.completion_tokens if chunk.usage else tokens
     return chunk_id.removeprefix("chatcmpl-"), finish, tokens
 
 
