@@ -50,14 +50,14 @@ def free_loopback_port() -> int:
 
 
 @contextmanager
-def running_server(data_dir: Path) -> Iterator[LiveServer]:
-    """`met serve` on a free loopback port, not yet ready (see `wait_ready`); stopped, tree included,
-    however the block ends."""
+def running_server(data_dir: Path, *flags: str) -> Iterator[LiveServer]:
+    """`met serve [flags]` on a free loopback port, not yet ready (see `wait_ready`); stopped, tree
+    included, however the block ends."""
     data_dir.mkdir(parents=True, exist_ok=True)
     port = free_loopback_port()
     log_path = data_dir / "serve.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "MET_HOST": "127.0.0.1"}
-    cmd = [sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--data-dir", str(data_dir), "--workers", "1"]
+    cmd = [sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--data-dir", str(data_dir), "--workers", "1", *flags]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     server = LiveServer(proc, f"http://127.0.0.1:{port}", log_path)

@@ -104,14 +104,15 @@ def checks(workload: str, rows: list[SystemResult]) -> list[Check]:
     by_system = {r.system: r for r in rows}
     ours = by_system.get("ours")
     out: list[Check] = []
+    reference, target = THROUGHPUT_TARGETS.get(workload, ("", math.nan))
+    for mine in (s for s in by_system if s.startswith("ours")):  # ours (default flags: the targets) and ours-int4
+        for system, row in by_system.items():
+            if system.startswith("ours"):
+                continue
+            ratio = by_system[mine].tokens_per_s / row.tokens_per_s if row.tokens_per_s > 0 else math.nan
+            out.append(Check(f"throughput {mine}/{system}", ratio, target if system == reference and mine == "ours" else math.nan, True))
     if ours is None:
         return out
-    for system, row in by_system.items():
-        if system == "ours":
-            continue
-        ratio = ours.tokens_per_s / row.tokens_per_s if row.tokens_per_s > 0 else math.nan
-        reference, target = THROUGHPUT_TARGETS.get(workload, ("", math.nan))
-        out.append(Check(f"throughput ours/{system}", ratio, target if system == reference else math.nan, True))
     if workload == "prefix" and "prefix_first_ttft_ms" in ours.extra:
         x = ours.extra
         out.append(Check("prefix: later TTFT p50 / first TTFT", x["prefix_later_ttft_p50_ms"] / x["prefix_first_ttft_ms"], PREFIX_TTFT_TARGET, False))

@@ -109,9 +109,9 @@ def requests(batch: int, prompt_len: int, steps: int) -> list[Request]:
     return out
 
 
-def profile(loaded: Loaded, *, impl: str, batch: int, args: argparse.Namespace, redis: Any) -> dict[str, float]:
+def profile(loaded: Loaded, *, impl: str, batch: int, args: argparse.Namespace, redis: Any, quantization: str = "none") -> dict[str, float]:
     device, dtype = torch.device(args.device), pick_dtype(args.dtype)
-    runner = TorchRunner(loaded.model, max_len=4096, kv_budget_mb=args.kv_mb, device=device, dtype=dtype, model_impl=impl)
+    runner = TorchRunner(loaded.model, max_len=4096, kv_budget_mb=args.kv_mb, device=device, dtype=dtype, model_impl=impl).quantize(quantization)
     engine = Engine(runner, loaded.tokenizer, loaded.info, settings=Settings(max_running=batch, max_tokens_per_step=max(512, batch)))
     reqs = requests(batch, args.prompt_len, args.steps)
     encoders = {r.id: ChatStreamEncoder(r) for r in reqs}
@@ -177,19 +177,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--kv-mb", type=int, default=512)
     parser.add_argument("--no-redis", action="store_true")
+    parser.add_argument("--quantization", default="none", help="comma-separated: none, int4 (workers.quant); a quantized run loads its own copy")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), pick_dtype(args.dtype)
     loaded = load(args, device, dtype)
     server, redis = local_redis(not args.no_redis)
     load1, load5, _ = os.getloadavg()
     print(f"{loaded.label} on {device} {args.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load1:.2f} {load5:.2f}")
-    print(f"{'impl':5} {'batch':>5} " + " ".join(f"{p + ' ms':>11}" for p in PHASES) + f" {'step ms':>9} {'tok/s':>8}")
+    print(f"{'impl':10} {'batch':>5} " + " ".join(f"{p + ' ms':>11}" for p in PHASES) + f" {'step ms':>9} {'tok/s':>8}")
     try:
-        for impl in args.impl.split(","):
-            for batch in (int(b) for b in args.batch.split(",")):
-                ms = profile(loaded, impl=impl, batch=batch, args=args, redis=redis)
-                total = sum(ms.values())
-                print(f"{impl:5} {batch:>5} " + " ".join(f"{ms[p]:>11.2f}" for p in PHASES) + f" {total:>9.2f} {batch * 1e3 / total:>8.1f}", flush=True)
+        for quantization in args.quantization.split(","):
+            for impl in args.impl.split(","):
+                for batch in (int(b) for b in args.batch.split(",")):
+                    model = loaded if quantization == "none" else load(args, device, dtype)  # quantizing rewrites the model's modules
+                    ms = profile(model, impl=impl, batch=batch, args=args, redis=redis, quantization=quantization)
+                    total = sum(ms.values())
+                    label = impl if quantization == "none" else f"{impl}+{quantization}"
+                    print(f"{label:10} {batch:>5} " + " ".join(f"{ms[p]:>11.2f}" for p in PHASES) + f" {total:>9.2f} {batch * 1e3 / total:>8.1f}", flush=True)
     finally:
         if server is not None:
             server.stop()

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,8 @@ from shared.settings import Settings
 
 WORKLOADS = ("uniform", "mixed", "single", "prefix")
 OURS_ONLY = ("prefix",)  # workloads measuring our own cache, not a comparison
-SYSTEMS = ("ours", "hf-static", "hf-continuous")
+SYSTEMS = ("ours", "ours-int4", "hf-static", "hf-continuous")  # ours-int4: `met serve --quantization int4`
+OURS_FLAGS = {"ours": (), "ours-int4": ("--quantization", "int4")}
 MODEL_SPEC = "smollm2"
 QUIET_CORES = 0.25  # other processes' CPU use under which the shared machine counts as quiet
 
@@ -120,8 +121,8 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def run_ours(workload: Workload, config: BenchConfig) -> tuple[RunRecord, TreeUsage]:
-    with tempfile.TemporaryDirectory(prefix="met-bench-") as tmp, running_server(Path(tmp)) as server:
+def run_ours(workload: Workload, config: BenchConfig, system: str = "ours") -> tuple[RunRecord, TreeUsage]:
+    with tempfile.TemporaryDirectory(prefix="met-bench-") as tmp, running_server(Path(tmp), *OURS_FLAGS[system]) as server:
         sampler = TreeSampler(server.proc.pid, max_duration_s=config.timeout_s).start()
         try:
             wait_ready(server)
@@ -132,13 +133,13 @@ def run_ours(workload: Workload, config: BenchConfig) -> tuple[RunRecord, TreeUs
             warm_up(client, "warm up" if workload.spec.shared_prefix else workload.requests[0].message)
             window = TreeSampler(server.proc.pid, max_duration_s=config.timeout_s).start()
             try:
-                record = run_workload(client, workload)
+                record = replace(run_workload(client, workload), system=system)
             finally:
                 window_usage = window.stop()
             record.extra.update(cpu_figures(window_usage))  # CPU over the measured window only
             record.extra.update({f"{k}_after_start": v for k, v in started.items()}, **worker_figures(server, Path(tmp)))
         except Exception as exc:
-            record = RunRecord("ours", 0.0, error=f"{type(exc).__name__}: {exc}")
+            record = RunRecord(system, 0.0, error=f"{type(exc).__name__}: {exc}")
         finally:
             usage = sampler.stop()
         if record.error:
@@ -165,8 +166,8 @@ def run_system(system: str, workload: Workload, folder: Path, config: BenchConfi
 def _run_once(system: str, workload: Workload, folder: Path, config: BenchConfig) -> SystemResult:
     waited, others = wait_for_quiet(max_wait_s=config.quiet_wait_s, threshold_cores=config.quiet_cores)
     log(f"{workload.spec.name}: running {system} (waited {waited:.0f}s for a quiet machine; others at {others:.2f} cores)")
-    if system == "ours":
-        record, usage = run_ours(workload, config)
+    if system in OURS_FLAGS:
+        record, usage = run_ours(workload, config, system)
     elif system == "hf-static":
         record, usage = run_isolated(run_static, system, (workload, folder), timeout_s=config.timeout_s)
     else:
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in config.workloads:
         workload = build(spec_for(name, quick=config.quick, scale=config.scale), tokenizer)
         log(workload.describe())
-        systems = [s for s in config.systems if s == "ours" or name not in OURS_ONLY]
+        systems = [s for s in config.systems if s in OURS_FLAGS or name not in OURS_ONLY]
         rows = [run_system(system, workload, folder, config) for system in systems]
         found = checks(name, rows)
         sections.append({"workload": name, "description": workload.describe(), "spec": asdict(workload.spec), "rows": [asdict(r) for r in rows], "check_objects": found})

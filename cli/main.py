@@ -15,7 +15,7 @@ from cli.batch import app as batch_app
 from cli.dump import DataDirOption as DumpDataDir
 from cli.dump import app as dump_app
 from cli.replay import HELP as REPLAY_HELP
-from shared.settings import Settings
+from shared.settings import QUANTIZATIONS, Settings
 
 app = typer.Typer(
     help="Metrale: an LLM inference server speaking OpenAI Chat Completions, OpenAI Responses and Anthropic Messages.",
@@ -35,6 +35,10 @@ DataDir = Annotated[str | None, typer.Option(help="Where the embedded Redis and 
 Device = Annotated[str | None, typer.Option(help="auto (CUDA if present, else CPU), cpu, cuda, cuda:1...")]
 Dtype = Annotated[str | None, typer.Option(help="bfloat16 (default), float16 or float32.")]
 ModelImpl = Annotated[str | None, typer.Option(help="hf (default: transformers' forward), lean (our one-forward-per-step path, Llama family) or auto (lean where supported).")]
+Quantization = Annotated[
+    str | None,
+    typer.Option(help="none (default) or int4: the decoder's linears as 4-bit weights, group 32 (CPU; the default model's own Q4_1 weights, recovered exactly)."),
+]
 MaxRunning = Annotated[int | None, typer.Option(help="Most sequences a worker decodes together.")]
 KvBudget = Annotated[int | None, typer.Option("--kv-budget-mb", help="KV block pool per worker, MiB (default: a share of free memory).")]
 PrefixCache = Annotated[bool | None, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of identical prompt prefixes (on by default).")]
@@ -133,6 +137,8 @@ def _settings(**overrides: object) -> Settings:
     choice = settings.generation_config
     if choice not in ("auto", "none") and not Path(choice).is_file():
         raise typer.BadParameter(f"{choice!r}: use auto, none or an existing generation_config.json file", param_hint="--generation-config")
+    if settings.quantization not in QUANTIZATIONS:
+        raise typer.BadParameter(f"{settings.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}", param_hint="--quantization")
     if settings.upstream_flavor not in ("vllm", "openai"):
         raise typer.BadParameter(f"{settings.upstream_flavor!r}: use vllm or openai", param_hint="--upstream-flavor")
     if settings.upstream and not settings.upstream.startswith(("http://", "https://")):
@@ -163,6 +169,7 @@ def serve(
     device: Device = None,
     dtype: Dtype = None,
     model_impl: ModelImpl = None,
+    quantization: Quantization = None,
     max_running: MaxRunning = None,
     kv_budget_mb: KvBudget = None,
     prefix_cache: PrefixCache = None,
@@ -280,6 +287,7 @@ def worker(
     device: Device = None,
     dtype: Dtype = None,
     model_impl: ModelImpl = None,
+    quantization: Quantization = None,
     max_running: MaxRunning = None,
     kv_budget_mb: KvBudget = None,
     prefix_cache: PrefixCache = None,

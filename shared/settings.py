@@ -20,6 +20,9 @@ def default_data_dir(environ: Mapping[str, str]) -> str:
     return os.path.join(base, "metrale")
 
 
+QUANTIZATIONS = ("none", "int4")  # --quantization (workers.quant)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
     redis_url: str | None = None  # None: `met serve` starts an embedded redis-server
@@ -31,6 +34,7 @@ class Settings:
     device: str = "auto"
     dtype: str = "bfloat16"
     model_impl: str = "hf"  # hf (transformers' forward) | lean (ours, Llama family) | auto (lean where supported); see workers.runner
+    quantization: str = "none"  # none | int4 (weight-only, the decoder's linears, CPU; lossless for Q4_0/Q4_1 GGUFs): workers.quant
     workers: int = 1
     data_dir: str = ""  # embedded Redis data and the redis.url file
     model_cache: str = ""  # converted models (GGUF → safetensors); shared by every data dir

@@ -12,7 +12,8 @@ over its own fresh keys/values when it starts at position 0, else over its gathe
 
 Weights come from the HF model's own parameters (so GGUF and safetensors loading stay as they are);
 the HF q/k/v and gate/up parameters are re-pointed at views of the fused tensors, so the fused copy
-costs no memory and the HF forward (the fallback, and the tests' reference) still works.
+costs no memory and the HF forward (the fallback, and the tests' reference) still works. With
+`--quantization int4` the four projections are int4 weights (`workers.quant`), the rest as loaded.
 
 Must not: know sequences or the scheduler (the runner turns a `StepPlan` into a `StepBatch`), or
 accept a configuration it does not implement: `unsupported` names why, and the runner then keeps
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from workers.quant import Weight, linear
+
 FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})  # inv_freq fixed at load time
 
@@ -34,15 +37,15 @@ STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})  # inv_freq fix
 @dataclass(frozen=True, slots=True)
 class Layer:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv: Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim] (Qwen2)
-    o: torch.Tensor  # [hidden, heads * head_dim]
+    o: Weight  # [hidden, heads * head_dim]
     o_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Weight  # [2 * intermediate, hidden]
+    down: Weight  # [hidden, intermediate]
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,8 +190,8 @@ def forward(w: LlamaWeights, batch: StepBatch, k_pools: list[torch.Tensor], v_po
     for layer, k_pool, v_pool in zip(w.layers, k_pools, v_pools, strict=True):
         x = x + _attention(w, layer, rms_norm(x, layer.input_norm, w.eps), batch, rope=(cos, sin), pools=(k_pool, v_pool))
         h = rms_norm(x, layer.post_norm, w.eps)
-        gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [N, intermediate] each
-        x = x + F.linear(F.silu(gate) * up, layer.down)
+        gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)  # [N, intermediate] each
+        x = x + linear(F.silu(gate) * up, layer.down)
     last = rms_norm(x[batch.sample], w.norm, w.eps)  # [R, hidden]
     return F.linear(last, w.lm_head)  # [R, vocab]
 
@@ -197,7 +200,7 @@ def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch,
     # h: [N, hidden] → [N, hidden]; rope: cos, sin [N, 1, head_dim]
     cos, sin = rope
     n, d = h.shape[0], w.head_dim
-    qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [N, (heads + 2 * kv_heads) * head_dim]
+    qkv = linear(h, layer.qkv, layer.qkv_bias)  # [N, (heads + 2 * kv_heads) * head_dim]
     q, k, v = qkv.split((w.heads * d, w.kv_heads * d, w.kv_heads * d), dim=-1)
     q, k, v = q.view(n, w.heads, d), k.view(n, w.kv_heads, d), v.view(n, w.kv_heads, d)
     if layer.q_norm is not None and layer.k_norm is not None:
@@ -212,7 +215,7 @@ def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch,
     for c in batch.chunks:
         out.append(_chunk_attention(q[c.offset : c.offset + c.length], k[c.offset : c.offset + c.length], v[c.offset : c.offset + c.length], c, k_pool, v_pool))
     attn = out[0] if len(out) == 1 else torch.cat(out)  # [N, heads, head_dim]
-    return F.linear(attn.reshape(n, w.heads * d), layer.o, layer.o_bias)
+    return linear(attn.reshape(n, w.heads * d), layer.o, layer.o_bias)
 
 
 def _decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: StepBatch) -> torch.Tensor:

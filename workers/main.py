@@ -47,7 +47,7 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         device=device,
         dtype=dtype,
         model_impl=settings.model_impl,
-    )
+    ).quantize(settings.quantization)
     runner.eos_ids = renderer.info.eos_token_ids  # min_tokens bans these until reached
     runner.tokenizer = renderer.tokenizer  # DRY sequence breakers are tokenized with it
     engine = Engine(
@@ -62,6 +62,7 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         "device": str(device),
         "dtype": settings.dtype,
         "model_impl": "lean" if runner.lean is not None else "hf",
+        "quantization": settings.quantization,
         "kv_blocks": str(runner.num_blocks),
         "kv_block_size": str(runner.block_size),
         "kv_bytes": str(runner.kv_bytes),

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from workers import llama
+from workers import llama, quant
 from workers.blocks import BLOCK_SIZE
 from workers.kv_cache import KVGeometry, PagedKVCache, default_budget_mb
 from workers.sampling import SamplerRow, TokenLogprobData, breaker_ids, sample
@@ -60,6 +60,7 @@ class TorchRunner:
     def __init__(self, model: Any, *, max_len: int, kv_budget_mb: int, device: torch.device, dtype: torch.dtype, model_impl: str = "auto") -> None:
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"--model-impl {model_impl!r}: choose one of {', '.join(MODEL_IMPLS)}")
+        self.dtype = dtype
         self.model = model
         self.device = device
         geometry = KVGeometry.of(model, dtype)
@@ -81,9 +82,22 @@ class TorchRunner:
         if why_not is not None and model_impl == "lean":
             raise ValueError(f"--model-impl lean: {why_not}")
         self.lean = llama.from_hf(model) if why_not is None else None
+        self.quantization = "none"
         log.info("model path: %s", "lean (one flattened forward per step)" if self.lean else f"hf (generic forward; {why_not})")
         how = "--kv-budget-mb" if kv_budget_mb else "default: a share of free memory"
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s)", self.num_blocks, BLOCK_SIZE, self.num_blocks * BLOCK_SIZE, self.kv_bytes / 2**20, how)
+
+    def quantize(self, quantization: str) -> TorchRunner:
+        """`--quantization`: the decoder's linears as int4 (workers.quant) on whichever path runs; once, before the first step."""
+        quant.check(quantization, self.device, self.dtype)
+        if quantization == "int4":
+            if self.lean is not None:
+                self.lean = quant.quantize_lean(self.model, self.lean)
+            else:
+                quant.quantize_hf(self.model)
+            log.info("weights: int4 (the decoder's linears, group %d; workers.quant)", quant.GROUP)
+        self.quantization = quantization
+        return self
 
     def release(self, seq: Sequence) -> None:
         self._generators.pop(seq.key, None)

@@ -53,8 +53,10 @@ class Recorded:
         self.rows: list[tuple[list[int], torch.Tensor]] = []
 
 
-def run(model: Any, arrivals: dict[int, list[Request]], *, impl: str = "lean", step_tokens: int = 24, blocks: int | None = None, record: Recorded | None = None) -> tuple[dict[str, list[int]], Engine]:
-    runner = TorchRunner(model, max_len=256, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.float32, model_impl=impl)
+def run(
+    model: Any, arrivals: dict[int, list[Request]], *, impl: str = "lean", step_tokens: int = 24, blocks: int | None = None, record: Recorded | None = None, **quantize: str
+) -> tuple[dict[str, list[int]], Engine]:
+    runner = TorchRunner(model, max_len=256, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.float32, model_impl=impl).quantize(quantize.get("quantization", "none"))
     if blocks is not None:
         runner.num_blocks = blocks  # the bookkeeping pool is smaller than the tensors: preemption comes sooner
     if record is not None:

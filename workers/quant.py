@@ -1,0 +1,148 @@
+"""Weight-only int4 linears (`--quantization int4`): the decoder's projections as 4-bit weights with a
+scale and a zero point per group of 32 input channels, multiplied by torch's own CPU kernel
+(`aten._weight_int4pack_mm_for_cpu`, the kernel gpt-fast and torchao use). Activations, norms,
+embeddings and the lm_head stay in the model's dtype.
+
+Why: decoding one sequence reads every weight once per token, so on CPU it is bound by memory
+bandwidth; 4-bit weights are a quarter of bf16's bytes (bench/RESULTS.md has the step times).
+
+Lossless for the default model: its GGUF stores the decoder weights as Q4_1 (per 32 weights, a scale d
+and a minimum m: w = d*q + m, q in 0..15), which is this format exactly ((q - 8) * scale + zero with
+scale = d, zero = m + 8d). Rounding each group's min and max back to 15 steps recovers q from the
+dequantized weights, so the quantized model computes with the GGUF's own weights (up to the rounding of
+scale and zero to the activations' dtype); `recovery_error` measures it. Any other model is quantized
+round-to-nearest (asymmetric, group 32): a lossy choice the operator makes.
+
+Why hand-written: torch ships the kernel and the packing op; what is here is choosing each group's scale
+and zero (a few lines) and routing the linears to the kernel. torchao 0.18 keeps its CPU int4 layout in
+`torchao.prototype` (its stable `Int4WeightOnlyConfig` has no CPU packing format), and goes through a
+tensor subclass whose dispatch would cost every one of the ~210 linear calls of a step.
+
+CPU only: torch's CUDA int4 kernel takes another packing; `check` refuses the combination by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.settings import QUANTIZATIONS
+
+GROUP = 32  # input channels per scale/zero: GGUF's Q4_0/Q4_1 block
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    packed: torch.Tensor  # uint8 [out, in / 2], torch's CPU int4 packing
+    scales_zeros: torch.Tensor  # [in / GROUP, out, 2] in the activations' dtype: (scale, zero)
+    out_features: int
+    in_features: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights the kernel multiplies by, [out, in] (tests and `recovery_error`)."""
+        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype, device=self.packed.device)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_zeros).t()
+
+
+Weight = torch.Tensor | Int4Weight
+
+
+def check(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "int4" and device.type != "cpu":
+        raise ValueError(f"--quantization int4 runs on CPU only (torch's int4 CPU kernel); this worker's device is {device}")
+    if quantization == "int4" and dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"--quantization int4 needs --dtype bfloat16 or float32, not {dtype}")
+
+
+def quantize(w: torch.Tensor) -> Int4Weight:
+    """w: [out, in] → int4 with one (scale, zero) per GROUP inputs, in w's dtype."""
+    out_features, in_features = w.shape
+    if in_features % GROUP or out_features % 16:
+        raise ValueError(f"--quantization int4: a {out_features} x {in_features} weight; the kernel needs outputs in multiples of 16 and inputs of {GROUP}")
+    groups = w.detach().float().reshape(out_features, in_features // GROUP, GROUP)
+    lo, hi = groups.amin(-1), groups.amax(-1)  # [out, in / GROUP]
+    scale = ((hi - lo) / 15).to(w.dtype).float()  # rounded as the kernel will use it
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: any scale, q = 8
+    zero = (lo + 8 * scale).to(w.dtype).float()
+    q = ((groups - zero[..., None]) / scale[..., None] + 8).round().clamp(0, 15).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out_features, in_features).contiguous(), 1)
+    scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(w.dtype)  # [in / GROUP, out, 2]
+    return Int4Weight(packed=packed, scales_zeros=scales_zeros, out_features=out_features, in_features=in_features)
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for either kind of weight: x [..., in] → [..., out]."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    lead = x.shape[:-1]
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, w.in_features), w.packed, GROUP, w.scales_zeros)
+    y = y.view(*lead, w.out_features)
+    return y + bias if bias is not None else y
+
+
+class Int4Linear(nn.Module):
+    """Stands in for an nn.Linear inside a transformers model. `rows` selects this projection's slice
+    of a fused weight (the lean path's qkv / gate_up), so the HF forward keeps working without a
+    second copy of the weights."""
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, rows: slice | None = None) -> None:
+        super().__init__()
+        self.int4 = weight
+        self.bias = bias
+        self.rows = rows
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features if rows is None else rows.stop - rows.start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self.int4)
+        if self.rows is not None:
+            y = y[..., self.rows]
+        return y + self.bias if self.bias is not None else y
+
+
+def quantize_hf(model: Any) -> None:
+    """Every nn.Linear of the decoder layers becomes an Int4Linear (the generic HF path)."""
+    for block in model.model.layers:
+        for name, module in list(block.named_modules()):
+            if isinstance(module, nn.Linear):
+                parent, _, attr = name.rpartition(".")
+                owner = block.get_submodule(parent) if parent else block
+                bias = module.bias.data if module.bias is not None else None
+                setattr(owner, attr, Int4Linear(quantize(module.weight.data), bias))
+
+
+def quantize_lean(model: Any, weights: Any) -> Any:
+    """The lean path's fused weights as int4 (`workers.llama.LlamaWeights`), and the HF modules pointed
+    at slices of them (the HF forward serves prompt logprobs and is the tests' reference)."""
+    layers = []
+    for block, layer in zip(model.model.layers, weights.layers, strict=True):
+        attn, mlp = block.self_attn, block.mlp
+        qkv, gate_up, o, down = quantize(layer.qkv), quantize(layer.gate_up), quantize(layer.o), quantize(layer.down)
+        _point(attn, ("q_proj", "k_proj", "v_proj"), qkv)
+        _point(mlp, ("gate_proj", "up_proj"), gate_up)
+        attn.o_proj = Int4Linear(o, attn.o_proj.bias.data if attn.o_proj.bias is not None else None)
+        mlp.down_proj = Int4Linear(down, None)
+        layers.append(replace(layer, qkv=qkv, gate_up=gate_up, o=o, down=down))
+    return replace(weights, layers=tuple(layers))
+
+
+def _point(owner: nn.Module, names: tuple[str, ...], fused: Int4Weight) -> None:
+    start = 0
+    for name in names:
+        module = getattr(owner, name)
+        rows = slice(start, start + module.out_features)
+        setattr(owner, name, Int4Linear(fused, module.bias.data if module.bias is not None else None, rows))
+        start = rows.stop
+
+
+def recovery_error(w: torch.Tensor, q: Int4Weight) -> float:
+    """The largest |dequantized - w| in units of its group's scale: ≪ 0.5 when w came from a Q4_0/Q4_1
+    tensor (the quantization recovered it), up to 0.5 for weights that never were 4-bit."""
+    scales = q.scales_zeros[..., 0].t().float().repeat_interleave(GROUP, dim=1)  # [out, in]
+    return float(((q.dequantize().float() - w.float()).abs() / scales).max())
