@@ -20,7 +20,7 @@ def default_data_dir(environ: Mapping[str, str]) -> str:
     return os.path.join(base, "metrale")
 
 
-QUANTIZATIONS = ("none", "int4")  # --quantization (workers.quant)
+QUANTIZATIONS = ("none", "int4", "auto")  # --quantization (workers.quant)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -62,7 +62,7 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         "device": str(device),
         "dtype": settings.dtype,
         "model_impl": "lean" if runner.lean is not None else "hf",
-        "quantization": settings.quantization,
+        "quantization": runner.quantization,
         "kv_blocks": str(runner.num_blocks),
         "kv_block_size": str(runner.block_size),
         "kv_bytes": str(runner.kv_bytes),

@@ -54,14 +54,33 @@ Weight = torch.Tensor | Int4Weight
 def check(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
-    if quantization == "int4" and device.type != "cpu":
-        raise ValueError(f"--quantization int4 runs on CPU only (torch's int4 CPU kernel); this worker's device is {device}")
-    if quantization == "int4" and dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"--quantization int4 needs --dtype bfloat16 or float32, not {dtype}")
+    if why := int4_unavailable(device, dtype) if quantization == "int4" else None:
+        raise ValueError(f"--quantization int4 {why}")
 
 
-def quantize(w: torch.Tensor) -> Int4Weight:
-    """w: [out, in] → int4 with one (scale, zero) per GROUP inputs, in w's dtype."""
+def int4_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    if device.type != "cpu":
+        return f"runs on CPU only (torch's int4 CPU kernel); this worker's device is {device}"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"needs --dtype bfloat16 or float32, not {dtype}"
+    return None
+
+
+def resolve(quantization: str, model: Any, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """(what runs, why) for `--quantization`; `auto` is int4 where it is lossless (`already_4bit`) and runs."""
+    check(quantization, device, dtype)
+    if quantization != "auto":
+        return quantization, "--quantization " + quantization
+    if why := int4_unavailable(device, dtype):
+        return "none", f"auto: int4 {why}"
+    if not already_4bit(model):
+        return "none", "auto: the weights are not 4-bit already (int4 would lose accuracy; --quantization int4 forces it)"
+    return "int4", "auto: the weights already are 4-bit (a Q4_0/Q4_1 GGUF): int4 computes with them as stored"
+
+
+def _qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w: [out, in] → (q [out, in / GROUP, GROUP] int32 in 0..15, scale and zero [out, in / GROUP] as
+    w's dtype holds them (in float32), w's groups [out, in / GROUP, GROUP] float32)."""
     out_features, in_features = w.shape
     if in_features % GROUP or out_features % 16:
         raise ValueError(f"--quantization int4: a {out_features} x {in_features} weight; the kernel needs outputs in multiples of 16 and inputs of {GROUP}")
@@ -71,6 +90,13 @@ def quantize(w: torch.Tensor) -> Int4Weight:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: any scale, q = 8
     zero = (lo + 8 * scale).to(w.dtype).float()
     q = ((groups - zero[..., None]) / scale[..., None] + 8).round().clamp(0, 15).to(torch.int32)
+    return q, scale, zero, groups
+
+
+def quantize(w: torch.Tensor) -> Int4Weight:
+    """w: [out, in] → int4 with one (scale, zero) per GROUP inputs, in w's dtype."""
+    out_features, in_features = w.shape
+    q, scale, zero, _ = _qparams(w)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out_features, in_features).contiguous(), 1)
     scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(w.dtype)  # [in / GROUP, out, 2]
     return Int4Weight(packed=packed, scales_zeros=scales_zeros, out_features=out_features, in_features=in_features)
@@ -141,8 +167,22 @@ def _point(owner: nn.Module, names: tuple[str, ...], fused: Int4Weight) -> None:
         start = rows.stop
 
 
-def recovery_error(w: torch.Tensor, q: Int4Weight) -> float:
-    """The largest |dequantized - w| in units of its group's scale: ≪ 0.5 when w came from a Q4_0/Q4_1
-    tensor (the quantization recovered it), up to 0.5 for weights that never were 4-bit."""
-    scales = q.scales_zeros[..., 0].t().float().repeat_interleave(GROUP, dim=1)  # [out, in]
-    return float(((q.dequantize().float() - w.float()).abs() / scales).max())
+def recovery_error(w: torch.Tensor) -> float:
+    """The largest |int4 weight - w| in units of its group's scale: ≪ 0.5 when w came from a Q4_0/Q4_1
+    tensor (the quantization recovers it), up to 0.5 for weights that never were 4-bit."""
+    q, scale, zero, groups = _qparams(w)
+    return float((((q - 8) * scale[..., None] + zero[..., None] - groups).abs() / scale[..., None]).max())
+
+
+def already_4bit(model: Any) -> bool:
+    """Whether every linear of the decoder is recovered within LOSSLESS: its weights already are 4-bit
+    (a Q4_0/Q4_1 GGUF, like the default model), so int4 costs no accuracy against the file served."""
+    return all(
+        m.in_features % GROUP == 0 and m.out_features % 16 == 0 and recovery_error(m.weight.data) < LOSSLESS
+        for block in model.model.layers
+        for m in block.modules()
+        if isinstance(m, nn.Linear)
+    )
+
+
+LOSSLESS = 0.2  # in units of a group's scale: bf16 rounding of the stored weights and of scale/zero stays under it

@@ -88,15 +88,16 @@ class TorchRunner:
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s)", self.num_blocks, BLOCK_SIZE, self.num_blocks * BLOCK_SIZE, self.kv_bytes / 2**20, how)
 
     def quantize(self, quantization: str) -> TorchRunner:
-        """`--quantization`: the decoder's linears as int4 (workers.quant) on whichever path runs; once, before the first step."""
-        quant.check(quantization, self.device, self.dtype)
-        if quantization == "int4":
+        """`--quantization`: the decoder's linears as int4 (workers.quant) on whichever path runs (`auto`:
+        where lossless); once, before the first step. `self.quantization` says what runs."""
+        self.quantization, why = quant.resolve(quantization, self.model, self.device, self.dtype)
+        if self.quantization == "int4":
             if self.lean is not None:
                 self.lean = quant.quantize_lean(self.model, self.lean)
             else:
                 quant.quantize_hf(self.model)
-            log.info("weights: int4 (the decoder's linears, group %d; workers.quant)", quant.GROUP)
-        self.quantization = quantization
+        what = f"int4, the decoder's linears, group {quant.GROUP} (workers.quant)" if self.quantization == "int4" else "as loaded"
+        log.info("weights: %s (%s)", what, why)
         return self
 
     def release(self, seq: Sequence) -> None:

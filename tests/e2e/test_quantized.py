@@ -54,4 +54,4 @@ def test_an_unknown_quantization_is_refused_by_name_before_anything_starts(tmp_p
     cmd = [sys.executable, "-m", "cli.main", "serve", "--quantization", "int8", "--data-dir", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "--quantization" in done.stderr and "'int8': choose one of none, int4" in done.stderr
+    assert "--quantization" in done.stderr and "'int8': choose one of none, int4, auto" in done.stderr

@@ -30,14 +30,14 @@ def q4_1_shaped(out_features: int, in_features: int, seed: int) -> torch.Tensor:
 def test_q4_1_shaped_weights_are_recovered_exactly_and_random_ones_are_not() -> None:
     w = q4_1_shaped(96, 128, seed=1)
     packed = quant.quantize(w)
-    assert quant.recovery_error(w, packed) < 1e-3  # float32 scale and zero: the same weights
+    assert quant.recovery_error(w) < 1e-3  # float32 scale and zero: the same weights
     torch.testing.assert_close(packed.dequantize(), w, atol=1e-5, rtol=0)
     x = torch.randn(5, 128)
     torch.testing.assert_close(quant.linear(x, packed), x @ w.t(), atol=1e-4, rtol=1e-4)
     bias = torch.randn(96)
     torch.testing.assert_close(quant.linear(x[None], packed, bias), (x @ w.t() + bias)[None], atol=1e-4, rtol=1e-4)
     noise = torch.randn(96, 128)
-    assert quant.recovery_error(noise, quant.quantize(noise)) > 0.4  # round-to-nearest: up to half a step
+    assert quant.recovery_error(noise) > 0.4  # round-to-nearest: up to half a step
 
 
 def test_a_constant_group_survives_quantization() -> None:
@@ -64,9 +64,22 @@ def test_int4_on_the_lean_path_matches_its_own_hf_forward_and_the_hf_path_token_
         assert max(len(torch.unique(g)) for g in levels.reshape(-1, quant.GROUP)) <= 16  # really 4-bit: at most 16 levels per group
 
 
+def test_auto_quantizes_only_weights_that_already_are_4bit_and_only_where_int4_runs() -> None:
+    random = tiny("llama")
+    assert not quant.already_4bit(random)
+    assert TorchRunner(random, max_len=64, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.float32).quantize("auto").quantization == "none"
+    shipped = tiny("llama")
+    for i, module in enumerate(m for m in shipped.modules() if isinstance(m, torch.nn.Linear) and m is not shipped.lm_head):
+        module.weight.data = q4_1_shaped(module.out_features, module.in_features, seed=i)
+    assert quant.already_4bit(shipped)
+    runner = TorchRunner(shipped, max_len=64, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.float32).quantize("auto")
+    assert runner.quantization == "int4" and isinstance(runner.lean.layers[0].gate_up, quant.Int4Weight)  # type: ignore[union-attr]
+    assert quant.resolve("auto", shipped, torch.device("cuda"), torch.bfloat16)[0] == "none"  # where int4 does not run, auto leaves the weights
+
+
 def test_what_int4_does_not_run_is_refused_by_name() -> None:
     model = tiny("llama")
-    with pytest.raises(ValueError, match=r"'int8': choose one of none, int4"):
+    with pytest.raises(ValueError, match=r"'int8': choose one of none, int4, auto"):
         quant.check("int8", torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="CPU only"):
         quant.check("int4", torch.device("cuda"), torch.bfloat16)
@@ -84,9 +97,7 @@ def test_the_default_models_decoder_weights_come_back_from_its_q4_1_gguf_within_
     settings = Settings.from_env(os.environ)
     _, folder = local_folder(settings.model, settings.model_cache)
     model = load_model(folder, device=torch.device("cpu"), dtype=torch.bfloat16)
-    worst = 0.0
-    for block in model.model.layers:
-        for module in block.modules():
-            if isinstance(module, torch.nn.Linear):
-                worst = max(worst, quant.recovery_error(module.weight.data, quant.quantize(module.weight.data)))
-    assert worst < 0.2, worst  # bf16 rounding of the cached copy and of scale/zero; never-4-bit weights reach 0.5
+    worst = max(quant.recovery_error(m.weight.data) for block in model.model.layers for m in block.modules() if isinstance(m, torch.nn.Linear))
+    assert worst < quant.LOSSLESS, worst  # bf16 rounding of the cached copy and of scale/zero; never-4-bit weights reach 0.5
+    assert quant.already_4bit(model)
+    assert TorchRunner(model, max_len=64, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.bfloat16, model_impl="hf").quantize("auto").quantization == "int4"
