@@ -37,7 +37,10 @@ Dtype = Annotated[str | None, typer.Option(help="bfloat16 (default), float16 or 
 ModelImpl = Annotated[str | None, typer.Option(help="hf (default: transformers' forward), lean (our one-forward-per-step path, Llama family) or auto (lean where supported).")]
 Quantization = Annotated[
     str | None,
-    typer.Option(help="none (default) or int4: the decoder's linears as 4-bit weights, group 32 (CPU; the default model's own Q4_1 weights, recovered exactly)."),
+    typer.Option(
+        help="auto (default: int4 where lossless, i.e. the decoder's weights already are 4-bit, as in the default model's Q4_1 GGUF; CPU), "
+        "int4 (force: round-to-nearest, group 32) or none (the weights as loaded)."
+    ),
 ]
 MaxRunning = Annotated[int | None, typer.Option(help="Most sequences a worker decodes together.")]
 KvBudget = Annotated[int | None, typer.Option("--kv-budget-mb", help="KV block pool per worker, MiB (default: a share of free memory).")]

@@ -52,6 +52,7 @@ def load_model(folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any
 
 
 MODEL_IMPLS = ("auto", "lean", "hf")
+SMALL_STEP_TOKENS = 8  # a step with at most this many tokens leaves one core to the rest of the pipeline (_pick_threads)
 
 
 class TorchRunner:
@@ -61,6 +62,7 @@ class TorchRunner:
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"--model-impl {model_impl!r}: choose one of {', '.join(MODEL_IMPLS)}")
         self.dtype = dtype
+        self.threads = torch.get_num_threads()  # torch's default (the cores), or OMP_NUM_THREADS: what a large step uses
         self.model = model
         self.device = device
         geometry = KVGeometry.of(model, dtype)
@@ -114,6 +116,7 @@ class TorchRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[list[Sequence], torch.Tensor]:
         """The step's model work: the sequences that sample, and their logits [R, vocab] float32."""
+        self._pick_threads(len(plan.decode) + sum(c.end - c.start for c in plan.prefill))
         if self.lean is not None:
             rows = [*plan.decode, *(c.seq for c in plan.prefill if c.completes_prompt)]
             if not plan.decode and not plan.prefill:
@@ -121,6 +124,17 @@ class TorchRunner:
             batch = step_batch(plan, block_size=self.block_size, pad_row=self.cache.pad_row, device=self.device)
             return rows, llama.forward(self.lean, batch, self.cache.keys, self.cache.values).float()
         return self._hf_forward(plan)
+
+    def _pick_threads(self, tokens: int) -> None:
+        """A step of at most SMALL_STEP_TOKENS runs on one intra-op thread fewer than torch's default
+        (never under one), leaving a core to the API, Redis and the clients, which each token wakes: on
+        2 cores a single stream's forward is bound by memory, not arithmetic, and its second thread only
+        fought them for the core (bench/RESULTS.md, session 6). Larger steps use every thread."""
+        if self.device.type != "cpu":
+            return
+        want = max(1, self.threads - 1) if tokens <= SMALL_STEP_TOKENS else self.threads
+        if want != torch.get_num_threads():
+            torch.set_num_threads(want)
 
     def _hf_forward(self, plan: StepPlan) -> tuple[list[Sequence], torch.Tensor]:
         rows: list[Sequence] = []

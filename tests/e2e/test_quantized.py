@@ -1,13 +1,13 @@
-"""`met serve --quantization int4` through the official SDKs: the default model on its own Q4_1 weights
-(workers.quant) answers a factual question right on every protocol with the same greedy text, its
-worker says what it runs, and a quantization it does not know is refused by name before anything starts."""
+"""Int4 through the official SDKs: `met serve` as is (`--quantization auto`) runs the default model on
+its own Q4_1 weights (workers.quant), answers a factual question right on every protocol with the same
+greedy text, and its worker says what it runs and why; a quantization it does not know is refused by
+name before anything starts."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
@@ -16,7 +16,7 @@ import pytest
 
 from shared import keys
 
-from ..conftest import ROOT, LiveServer, start_server, stop_server
+from ..conftest import ROOT, LiveServer
 
 pytestmark = pytest.mark.e2e
 
@@ -24,14 +24,8 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 MAX_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def int4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    server = start_server(tmp_path_factory.mktemp("int4"), "--workers", "1", "--quantization", "int4", "--kv-budget-mb", "256")
-    yield server
-    stop_server(server)
-
-
-def test_the_int4_model_answers_right_and_the_same_on_every_protocol(int4: LiveServer) -> None:
+def test_by_default_the_model_runs_on_its_own_4bit_weights_and_answers_the_same_on_every_protocol(live_server: LiveServer) -> None:
+    int4 = live_server
     with openai.OpenAI(base_url=f"{int4.base_url}/v1", api_key="x", max_retries=0, timeout=300) as api:
         chunks = api.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTION}], max_tokens=MAX_TOKENS, temperature=0, stream=True)
         chat = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -47,7 +41,7 @@ def test_the_int4_model_answers_right_and_the_same_on_every_protocol(int4: LiveS
         assert r.hget(keys.worker_info(worker), "quantization") == b"int4"
     finally:
         r.close()
-    assert "weights: int4" in int4.log()
+    assert "weights: int4" in int4.log() and "auto: the weights already are 4-bit" in int4.log()
 
 
 def test_an_unknown_quantization_is_refused_by_name_before_anything_starts(tmp_path: Path) -> None:
