@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from workers import quant
 from workers.runner import TorchRunner
@@ -38,6 +39,19 @@ def test_q4_1_shaped_weights_are_recovered_exactly_and_random_ones_are_not() -> 
     torch.testing.assert_close(quant.linear(x[None], packed, bias), (x @ w.t() + bias)[None], atol=1e-4, rtol=1e-4)
     noise = torch.randn(96, 128)
     assert quant.recovery_error(noise) > 0.4  # round-to-nearest: up to half a step
+
+
+def test_auto_keeps_the_loaded_weights_for_large_steps_and_the_int4_kernel_for_small_ones() -> None:
+    w = q4_1_shaped(96, 128, seed=2).to(torch.bfloat16)
+    both, only = quant.quantize(w, keep_dense=True), quant.quantize(w)
+    small = torch.randn(quant.INT4_MAX_ROWS, 128, dtype=torch.bfloat16)
+    large = torch.randn(quant.INT4_MAX_ROWS + 1, 128, dtype=torch.bfloat16)
+    assert torch.equal(quant.linear(small, both), quant.linear(small, only))  # the int4 kernel
+    assert torch.equal(quant.linear(large, both), F.linear(large, w))  # the dense GEMM
+    assert not torch.equal(quant.linear(large, only), F.linear(large, w))
+    sliced = quant.Int4Linear(both, None, rows=slice(32, 64))  # an HF projection's share of a fused weight
+    assert torch.equal(sliced(large), F.linear(large, w[32:64]))
+    assert torch.equal(sliced(small), quant.linear(small, only)[:, 32:64])
 
 
 def test_a_constant_group_survives_quantization() -> None:
