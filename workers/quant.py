@@ -26,6 +26,9 @@ CPU only: torch's CUDA int4 kernel takes another packing; `check` refuses the co
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -181,6 +184,14 @@ def _point(owner: nn.Module, names: tuple[str, ...], fused: Int4Weight) -> None:
         rows = slice(start, start + module.out_features)
         setattr(owner, name, Int4Linear(fused, module.bias.data if module.bias is not None else None, rows))
         start = rows.stop
+
+
+def give_back_memory() -> None:
+    """Return the float32 scratch of quantizing (several times the weights, freed but kept by glibc's
+    allocator) to the system: ~280 MiB of the worker's RSS with the default model. A no-op off glibc."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def recovery_error(w: torch.Tensor) -> float:

@@ -99,6 +99,7 @@ class TorchRunner:
                 self.lean = quant.quantize_lean(self.model, self.lean, keep_dense=keep_dense)
             else:
                 quant.quantize_hf(self.model, keep_dense=keep_dense)
+            quant.give_back_memory()
         what = f"int4, the decoder's linears, group {quant.GROUP} (workers.quant)" if self.quantization == "int4" else "as loaded"
         if self.quantization == "int4" and keep_dense:
             what += f"; steps of more than {quant.INT4_MAX_ROWS} tokens use the loaded weights"
