@@ -38,8 +38,8 @@ ModelImpl = Annotated[str | None, typer.Option(help="hf (default: transformers' 
 Quantization = Annotated[
     str | None,
     typer.Option(
-        help="auto (default: int4 where lossless, i.e. the decoder's weights already are 4-bit, as in the default model's Q4_1 GGUF; CPU), "
-        "int4 (force: round-to-nearest, group 32) or none (the weights as loaded)."
+        help="none (default: the weights as loaded), auto (int4 where lossless, i.e. the decoder's weights already are 4-bit, "
+        "as in the default model's Q4_1 GGUF; CPU: twice the single-stream speed, slower for large batches) or int4 (forced, round-to-nearest)."
     ),
 ]
 MaxRunning = Annotated[int | None, typer.Option(help="Most sequences a worker decodes together.")]

@@ -34,7 +34,7 @@ class Settings:
     device: str = "auto"
     dtype: str = "bfloat16"
     model_impl: str = "hf"  # hf (transformers' forward) | lean (ours, Llama family) | auto (lean where supported); see workers.runner
-    quantization: str = "auto"  # auto (int4 where lossless: the weights already are 4-bit, as the default model's Q4_1) | none | int4 (forced): workers.quant
+    quantization: str = "none"  # none | auto (int4 where lossless: the weights already are 4-bit, as the default model's Q4_1) | int4 (forced): workers.quant
     workers: int = 1
     data_dir: str = ""  # embedded Redis data and the redis.url file
     model_cache: str = ""  # converted models (GGUF → safetensors); shared by every data dir

@@ -5,9 +5,11 @@ embeddings and the lm_head stay in the model's dtype.
 
 Why: decoding one sequence reads every weight once per token, so on CPU it is bound by memory
 bandwidth; 4-bit weights are a quarter of bf16's bytes (bench/RESULTS.md has the step times). The
-kernel is a matrix-vector kernel, though: past INT4_MAX_ROWS rows (a batch of decodes, a prefill
-chunk) a dense GEMM wins, so `auto` keeps the loaded weights too (memory: about 1.3x the decoder's
-linears) and sends large steps through them; a forced `int4` keeps only the 4-bit copy.
+kernel is a matrix-vector kernel, though: past about 4 rows (a batch of decodes, a prefill chunk) a
+dense bf16 GEMM beats it, up to 2.6x at 512 rows. Sending large steps to kept bf16 weights was tried
+and dropped: the two kernels round differently, so a sequence's tokens then depended on how many
+others shared its step (a recorded request no longer replayed; seeded n-choices diverged). Each
+kernel alone gives a row the same result at any batch size and thread count.
 
 Lossless for the default model: its GGUF stores the decoder weights as Q4_1 (per 32 weights, a scale d
 and a minimum m: w = d*q + m, q in 0..15), which is this format exactly ((q - 8) * scale + zero with
@@ -47,7 +49,6 @@ class Int4Weight:
     scales_zeros: torch.Tensor  # [in / GROUP, out, 2] in the activations' dtype: (scale, zero)
     out_features: int
     in_features: int
-    dense: torch.Tensor | None = None  # the weights as loaded, kept (`auto`) for steps of more than INT4_MAX_ROWS rows
 
     def dequantize(self) -> torch.Tensor:
         """The weights the kernel multiplies by, [out, in] (tests and `recovery_error`)."""
@@ -100,28 +101,19 @@ def _qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     return q, scale, zero, groups
 
 
-def quantize(w: torch.Tensor, *, keep_dense: bool = False) -> Int4Weight:
-    """w: [out, in] → int4 with one (scale, zero) per GROUP inputs, in w's dtype (and w itself, with `keep_dense`)."""
+def quantize(w: torch.Tensor) -> Int4Weight:
+    """w: [out, in] → int4 with one (scale, zero) per GROUP inputs, in w's dtype."""
     out_features, in_features = w.shape
     q, scale, zero, _ = _qparams(w)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(out_features, in_features).contiguous(), 1)
     scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(w.dtype)  # [in / GROUP, out, 2]
-    return Int4Weight(packed=packed, scales_zeros=scales_zeros, out_features=out_features, in_features=in_features, dense=w if keep_dense else None)
-
-
-def uses_dense(x: torch.Tensor, w: Int4Weight) -> bool:
-    """Whether x (rows of w.in_features) goes through the kept dense weights: past INT4_MAX_ROWS rows the
-    int4 kernel (a matrix-vector kernel, linear in the rows) is slower than a dense GEMM."""
-    return w.dense is not None and x.numel() > INT4_MAX_ROWS * w.in_features
+    return Int4Weight(packed=packed, scales_zeros=scales_zeros, out_features=out_features, in_features=in_features)
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for either kind of weight: x [..., in] → [..., out]."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
-    if uses_dense(x, w):
-        assert w.dense is not None
-        return F.linear(x, w.dense, bias)
     lead = x.shape[:-1]
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, w.in_features), w.packed, GROUP, w.scales_zeros)
     y = y.view(*lead, w.out_features)
@@ -144,14 +136,11 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows is None:
             return linear(x, self.int4, self.bias)
-        if uses_dense(x, self.int4):
-            assert self.int4.dense is not None
-            return F.linear(x, self.int4.dense[self.rows], self.bias)
         y = linear(x, self.int4)[..., self.rows]
         return y + self.bias if self.bias is not None else y
 
 
-def quantize_hf(model: Any, *, keep_dense: bool) -> None:
+def quantize_hf(model: Any) -> None:
     """Every nn.Linear of the decoder layers becomes an Int4Linear (the generic HF path)."""
     for block in model.model.layers:
         for name, module in list(block.named_modules()):
@@ -159,16 +148,16 @@ def quantize_hf(model: Any, *, keep_dense: bool) -> None:
                 parent, _, attr = name.rpartition(".")
                 owner = block.get_submodule(parent) if parent else block
                 bias = module.bias.data if module.bias is not None else None
-                setattr(owner, attr, Int4Linear(quantize(module.weight.data, keep_dense=keep_dense), bias))
+                setattr(owner, attr, Int4Linear(quantize(module.weight.data), bias))
 
 
-def quantize_lean(model: Any, weights: Any, *, keep_dense: bool) -> Any:
+def quantize_lean(model: Any, weights: Any) -> Any:
     """The lean path's fused weights as int4 (`workers.llama.LlamaWeights`), and the HF modules pointed
     at slices of them (the HF forward serves prompt logprobs and is the tests' reference)."""
     layers = []
     for block, layer in zip(model.model.layers, weights.layers, strict=True):
         attn, mlp = block.self_attn, block.mlp
-        qkv, gate_up, o, down = (quantize(w, keep_dense=keep_dense) for w in (layer.qkv, layer.gate_up, layer.o, layer.down))
+        qkv, gate_up, o, down = (quantize(w) for w in (layer.qkv, layer.gate_up, layer.o, layer.down))
         _point(attn, ("q_proj", "k_proj", "v_proj"), qkv)
         _point(mlp, ("gate_proj", "up_proj"), gate_up)
         attn.o_proj = Int4Linear(o, attn.o_proj.bias.data if attn.o_proj.bias is not None else None)
@@ -212,5 +201,4 @@ def already_4bit(model: Any) -> bool:
     )
 
 
-INT4_MAX_ROWS = 4  # rows (tokens) up to which the int4 kernel beats a dense bf16 GEMM here (bench/RESULTS.md, session 6)
 LOSSLESS = 0.2  # in units of a group's scale: bf16 rounding of the stored weights and of scale/zero stays under it

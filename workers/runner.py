@@ -93,16 +93,13 @@ class TorchRunner:
         """`--quantization`: the decoder's linears as int4 (workers.quant) on whichever path runs (`auto`:
         where lossless); once, before the first step. `self.quantization` says what runs."""
         self.quantization, why = quant.resolve(quantization, self.model, self.device, self.dtype)
-        keep_dense = quantization == "auto"  # the same weights either way: large steps keep the dense GEMM
         if self.quantization == "int4":
             if self.lean is not None:
-                self.lean = quant.quantize_lean(self.model, self.lean, keep_dense=keep_dense)
+                self.lean = quant.quantize_lean(self.model, self.lean)
             else:
-                quant.quantize_hf(self.model, keep_dense=keep_dense)
+                quant.quantize_hf(self.model)
             quant.give_back_memory()
         what = f"int4, the decoder's linears, group {quant.GROUP} (workers.quant)" if self.quantization == "int4" else "as loaded"
-        if self.quantization == "int4" and keep_dense:
-            what += f"; steps of more than {quant.INT4_MAX_ROWS} tokens use the loaded weights"
         log.info("weights: %s (%s)", what, why)
         return self
 

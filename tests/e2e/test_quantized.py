@@ -1,4 +1,4 @@
-"""Int4 through the official SDKs: `met serve` as is (`--quantization auto`) runs the default model on
+"""Int4 through the official SDKs: `met serve --quantization auto` runs the default model on
 its own Q4_1 weights (workers.quant), answers a factual question right on every protocol with the same
 greedy text, and its worker says what it runs and why; a quantization it does not know is refused by
 name before anything starts."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
@@ -16,7 +17,7 @@ import pytest
 
 from shared import keys
 
-from ..conftest import ROOT, LiveServer
+from ..conftest import ROOT, LiveServer, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
 
@@ -24,8 +25,14 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 MAX_TOKENS = 24
 
 
-def test_by_default_the_model_runs_on_its_own_4bit_weights_and_answers_the_same_on_every_protocol(live_server: LiveServer) -> None:
-    int4 = live_server
+@pytest.fixture(scope="module")
+def int4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    server = start_server(tmp_path_factory.mktemp("int4"), "--workers", "1", "--quantization", "auto", "--kv-budget-mb", "256")
+    yield server
+    stop_server(server)
+
+
+def test_auto_runs_the_default_model_on_its_own_4bit_weights_and_answers_the_same_on_every_protocol(int4: LiveServer) -> None:
     with openai.OpenAI(base_url=f"{int4.base_url}/v1", api_key="x", max_retries=0, timeout=300) as api:
         chunks = api.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTION}], max_tokens=MAX_TOKENS, temperature=0, stream=True)
         chat = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
