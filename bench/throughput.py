@@ -54,8 +54,8 @@ from shared.settings import Settings
 
 WORKLOADS = ("uniform", "mixed", "single", "prefix")
 OURS_ONLY = ("prefix",)  # workloads measuring our own cache, not a comparison
-SYSTEMS = ("ours", "ours-bf16", "hf-static", "hf-continuous")  # ours: `met serve` as is; ours-bf16: `--quantization none`
-OURS_FLAGS = {"ours": (), "ours-bf16": ("--quantization", "none")}
+SYSTEMS = ("ours", "ours-int4", "hf-static", "hf-continuous")  # ours: `met serve` as is; ours-int4: `--quantization auto`
+OURS_FLAGS = {"ours": (), "ours-int4": ("--quantization", "auto")}
 MODEL_SPEC = "smollm2"
 QUIET_CORES = 0.25  # other processes' CPU use under which the shared machine counts as quiet
 
