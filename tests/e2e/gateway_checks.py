@@ -51,86 +51,86 @@ def claude(gateway: LiveServer) -> anthropic.Anthropic:
 
 
 def check_openai_chat(gateway: LiveServer) -> None:
-    client = oai(gateway)
-    cut = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me about Paris."}], max_tokens=8, **GREEDY)  # type: ignore[arg-type]
-    assert cut.choices[0].finish_reason == "length" and cut.usage is not None and cut.usage.completion_tokens == 8
-    assert cut.choices[0].message.content
-    with client.chat.completions.stream(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=200, stream_options={"include_usage": True}, **GREEDY  # type: ignore[arg-type]
-    ) as stream:
-        final = stream.get_final_completion()
-    assert final.choices[0].finish_reason == "stop" and final.choices[0].message.content
-    assert final.usage is not None and final.usage.prompt_tokens > 0 and final.usage.completion_tokens > 0
-    stopped = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": STOP_PROMPT}], max_tokens=60, stop=["."], **GREEDY)  # type: ignore[arg-type]
-    text = stopped.choices[0].message.content or ""
-    assert stopped.choices[0].finish_reason == "stop" and text and "." not in text, text
+    with oai(gateway) as client:
+        cut = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me about Paris."}], max_tokens=8, **GREEDY)  # type: ignore[arg-type]
+        assert cut.choices[0].finish_reason == "length" and cut.usage is not None and cut.usage.completion_tokens == 8
+        assert cut.choices[0].message.content
+        with client.chat.completions.stream(
+            model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=200, stream_options={"include_usage": True}, **GREEDY  # type: ignore[arg-type]
+        ) as stream:
+            final = stream.get_final_completion()
+        assert final.choices[0].finish_reason == "stop" and final.choices[0].message.content
+        assert final.usage is not None and final.usage.prompt_tokens > 0 and final.usage.completion_tokens > 0
+        stopped = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": STOP_PROMPT}], max_tokens=60, stop=["."], **GREEDY)  # type: ignore[arg-type]
+        text = stopped.choices[0].message.content or ""
+        assert stopped.choices[0].finish_reason == "stop" and text and "." not in text, text
 
 
 def check_openai_chat_forced_tool_call(gateway: LiveServer) -> None:
-    client = oai(gateway)
-    kwargs: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-        "tools": [{"type": "function", "function": WEATHER}],
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-        "max_tokens": 60,
-        **GREEDY,
-    }
-    answer = client.chat.completions.create(**kwargs)
-    [call] = answer.choices[0].message.tool_calls or []
-    assert answer.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"  # type: ignore[union-attr]
-    assert isinstance(json.loads(call.function.arguments), dict)  # type: ignore[union-attr]
-    with client.chat.completions.stream(**kwargs) as stream:
-        final = stream.get_final_completion()
-    [streamed] = final.choices[0].message.tool_calls or []
-    assert final.choices[0].finish_reason == "tool_calls" and streamed.function.name == "get_weather"  # type: ignore[union-attr]
-    assert isinstance(json.loads(streamed.function.arguments), dict)  # type: ignore[union-attr]
+    with oai(gateway) as client:
+        kwargs: dict[str, Any] = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": [{"type": "function", "function": WEATHER}],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "max_tokens": 60,
+            **GREEDY,
+        }
+        answer = client.chat.completions.create(**kwargs)
+        [call] = answer.choices[0].message.tool_calls or []
+        assert answer.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"  # type: ignore[union-attr]
+        assert isinstance(json.loads(call.function.arguments), dict)  # type: ignore[union-attr]
+        with client.chat.completions.stream(**kwargs) as stream:
+            final = stream.get_final_completion()
+        [streamed] = final.choices[0].message.tool_calls or []
+        assert final.choices[0].finish_reason == "tool_calls" and streamed.function.name == "get_weather"  # type: ignore[union-attr]
+        assert isinstance(json.loads(streamed.function.arguments), dict)  # type: ignore[union-attr]
 
 
 def check_anthropic_messages(gateway: LiveServer, *, upstream_names_the_stop: bool) -> None:
-    client = claude(gateway)
-    cut = client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Tell me about Paris."}], extra_body=GREEDY)
-    assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 8 and cut.content[0].type == "text"
-    with client.messages.stream(model=MODEL, max_tokens=200, messages=[{"role": "user", "content": "Say hello."}], extra_body=GREEDY) as stream:
-        final = stream.get_final_message()
-    assert final.stop_reason == "end_turn" and final.content[0].type == "text" and final.content[0].text
-    assert final.usage.output_tokens > 0
-    with client.messages.stream(model=MODEL, max_tokens=60, messages=[{"role": "user", "content": STOP_PROMPT}], stop_sequences=["."], extra_body=GREEDY) as stream:
-        stopped = stream.get_final_message()
-    text = stopped.content[0].text if stopped.content and stopped.content[0].type == "text" else ""
-    assert text and "." not in text, text
-    if upstream_names_the_stop:  # vLLM's `stop_reason` (Metrale sends it too): Anthropic's stop_sequence
-        assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "."), stopped
-    else:  # llama.cpp does not say which stop matched: end_turn, the text cut before it
-        assert stopped.stop_reason == "end_turn", stopped
-    tools: Any = [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]
-    with client.messages.stream(
-        model=MODEL,
-        max_tokens=60,
-        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-        tools=tools,
-        tool_choice={"type": "tool", "name": "get_weather"},
-        extra_body=GREEDY,
-    ) as stream:
-        called = stream.get_final_message()
-    uses = [b for b in called.content if b.type == "tool_use"]
-    assert called.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather" and isinstance(uses[0].input, dict)
+    with claude(gateway) as client:
+        cut = client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Tell me about Paris."}], extra_body=GREEDY)
+        assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 8 and cut.content[0].type == "text"
+        with client.messages.stream(model=MODEL, max_tokens=200, messages=[{"role": "user", "content": "Say hello."}], extra_body=GREEDY) as stream:
+            final = stream.get_final_message()
+        assert final.stop_reason == "end_turn" and final.content[0].type == "text" and final.content[0].text
+        assert final.usage.output_tokens > 0
+        with client.messages.stream(model=MODEL, max_tokens=60, messages=[{"role": "user", "content": STOP_PROMPT}], stop_sequences=["."], extra_body=GREEDY) as stream:
+            stopped = stream.get_final_message()
+        text = stopped.content[0].text if stopped.content and stopped.content[0].type == "text" else ""
+        assert text and "." not in text, text
+        if upstream_names_the_stop:  # vLLM's `stop_reason` (Metrale sends it too): Anthropic's stop_sequence
+            assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "."), stopped
+        else:  # llama.cpp does not say which stop matched: end_turn, the text cut before it
+            assert stopped.stop_reason == "end_turn", stopped
+        tools: Any = [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]
+        with client.messages.stream(
+            model=MODEL,
+            max_tokens=60,
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=tools,
+            tool_choice={"type": "tool", "name": "get_weather"},
+            extra_body=GREEDY,
+        ) as stream:
+            called = stream.get_final_message()
+        uses = [b for b in called.content if b.type == "tool_use"]
+        assert called.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather" and isinstance(uses[0].input, dict)
 
 
 def check_openai_responses(gateway: LiveServer) -> None:
-    client = oai(gateway)
-    cut = client.responses.create(model=MODEL, input="Tell me about Paris.", max_output_tokens=8, **GREEDY)  # type: ignore[arg-type]
-    assert cut.status == "incomplete" and cut.usage is not None and cut.usage.output_tokens == 8 and cut.output_text
-    with client.responses.stream(model=MODEL, input="Say hello.", max_output_tokens=200, **GREEDY) as stream:  # type: ignore[arg-type]
-        final = stream.get_final_response()
-    assert final.status == "completed" and final.output_text and final.usage is not None and final.usage.output_tokens > 0
-    tools: Any = [{"type": "function", **WEATHER}]
-    with client.responses.stream(
-        model=MODEL, input="What is the weather in Paris?", tools=tools, tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60, **GREEDY  # type: ignore[arg-type]
-    ) as stream:
-        called = stream.get_final_response()
-    calls = [item for item in called.output if item.type == "function_call"]
-    assert len(calls) == 1 and calls[0].name == "get_weather" and isinstance(json.loads(calls[0].arguments), dict)
+    with oai(gateway) as client:
+        cut = client.responses.create(model=MODEL, input="Tell me about Paris.", max_output_tokens=8, **GREEDY)  # type: ignore[arg-type]
+        assert cut.status == "incomplete" and cut.usage is not None and cut.usage.output_tokens == 8 and cut.output_text
+        with client.responses.stream(model=MODEL, input="Say hello.", max_output_tokens=200, **GREEDY) as stream:  # type: ignore[arg-type]
+            final = stream.get_final_response()
+        assert final.status == "completed" and final.output_text and final.usage is not None and final.usage.output_tokens > 0
+        tools: Any = [{"type": "function", **WEATHER}]
+        with client.responses.stream(
+            model=MODEL, input="What is the weather in Paris?", tools=tools, tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60, **GREEDY  # type: ignore[arg-type]
+        ) as stream:
+            called = stream.get_final_response()
+        calls = [item for item in called.output if item.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "get_weather" and isinstance(json.loads(calls[0].arguments), dict)
 
 
 # ---- raw streams: exactly one error event --------------------------------------------------------
@@ -262,19 +262,21 @@ def check_upstream_down(gateway: LiveServer) -> None:
     assert re.search(r"^met_upstream_healthy\{.*\} 0\.0$", httpx.get(gateway.base_url + "/metrics", timeout=10).text, re.MULTILINE)
     # A request while the upstream is down waits --upstream-timeout for it, then fails with one error.
     try:
-        oai(gateway).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        with oai(gateway) as client:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
         raise AssertionError("a request succeeded with the upstream down")
     except openai.APIStatusError as exc:
         assert "upstream is unavailable" in str(exc), exc
 
 
 def check_each_protocol_answers(gateway: LiveServer) -> None:
-    client = oai(gateway)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=5, **GREEDY)  # type: ignore[arg-type]
-    assert chat.choices[0].message.content
-    message = claude(gateway).messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "Say hi."}], extra_body=GREEDY)
-    assert message.content[0].type == "text" and message.content[0].text
-    assert client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=5, **GREEDY).output_text  # type: ignore[arg-type]
+    with oai(gateway) as client:
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=5, **GREEDY)  # type: ignore[arg-type]
+        assert chat.choices[0].message.content
+        with claude(gateway) as messages:
+            message = messages.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "Say hi."}], extra_body=GREEDY)
+        assert message.content[0].type == "text" and message.content[0].text
+        assert client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=5, **GREEDY).output_text  # type: ignore[arg-type]
 
 
 def check_health_is_shown(gateway: LiveServer, upstream: UpstreamProcess) -> None:
@@ -349,18 +351,18 @@ def check_gateway_worker_killed_mid_stream(gateway: LiveServer) -> None:
 
     stream = RawStream(gateway, "/v1/chat/completions", long_streams(gateway)["openai_chat"].body).start()
     assert stream.started.wait(180), "no content before the kill"
-    client = redis_sync.Redis.from_url(gateway.redis_url)
-    [worker] = [w.decode() for w in client.zrange(keys.WORKERS_ALIVE, 0, -1)]
-    pid = int(client.hget(keys.worker_info(worker), "pid") or 0)
-    sent_before = content_before_error("openai_chat", list(stream.events))
-    os.kill(pid, signal.SIGKILL)
-    events = stream.join(timeout=180)
-    assert_one_error("openai_chat", events)
-    assert content_before_error("openai_chat", events).startswith(sent_before)
-    request_ids = {json.loads(d)["id"] for _, d in events if d != "[DONE]" and "id" in json.loads(d)}
-    assert len(request_ids) == 1
-    wait_for("a new gateway worker", lambda: ready(gateway).status_code == 200, timeout=120, interval=0.25)
-    check_each_protocol_answers(gateway)
+    with redis_sync.Redis.from_url(gateway.redis_url) as client:
+        [worker] = [w.decode() for w in client.zrange(keys.WORKERS_ALIVE, 0, -1)]
+        pid = int(client.hget(keys.worker_info(worker), "pid") or 0)
+        sent_before = content_before_error("openai_chat", list(stream.events))
+        os.kill(pid, signal.SIGKILL)
+        events = stream.join(timeout=180)
+        assert_one_error("openai_chat", events)
+        assert content_before_error("openai_chat", events).startswith(sent_before)
+        request_ids = {json.loads(d)["id"] for _, d in events if d != "[DONE]" and "id" in json.loads(d)}
+        assert len(request_ids) == 1
+        wait_for("a new gateway worker", lambda: ready(gateway).status_code == 200, timeout=120, interval=0.25)
+        check_each_protocol_answers(gateway)
 
 
 def check_gateway_worker_killed_mid_stream_continues(gateway: LiveServer, upstream_url: str, upstream_key: str) -> None:
@@ -381,30 +383,30 @@ def check_gateway_worker_killed_mid_stream_continues(gateway: LiveServer, upstre
     body = {"model": MODEL, "messages": user, "max_tokens": 160, "stream": True, "stream_options": {"include_usage": True}, **GREEDY}
     stream = RawStream(gateway, "/v1/chat/completions", body).start()
     assert stream.started.wait(180), "no content before the kill"
-    client = redis_sync.Redis.from_url(gateway.redis_url)
-    [worker] = [w.decode() for w in client.zrange(keys.WORKERS_ALIVE, 0, -1)]
-    os.kill(int(client.hget(keys.worker_info(worker), "pid") or 0), signal.SIGKILL)
-    events = stream.join(timeout=240)
-    assert events[-1][1] == "[DONE]"
-    payloads = [json.loads(data) for _, data in events[:-1]]
-    assert not [p for p in payloads if "error" in p], payloads[-3:]
-    finishes = [c["finish_reason"] for p in payloads for c in p.get("choices", []) if c.get("finish_reason")]
-    assert finishes == ["length"] and len({p["id"] for p in payloads}) == 1
-    text = content_before_error("openai_chat", events)
-    rid = payloads[0]["id"].removeprefix("chatcmpl-")
-    deltas = [decode_delta(fields[b"d"]) for _, fields in client.xrange(keys.delta_stream(rid))]
-    written = {attempt: "".join(d.text for d in deltas if isinstance(d, Content) and d.attempt == attempt) for attempt in (1, 2)}
-    assert written[1] and written[2] and text == written[1] + written[2], written
-    assert max(d.attempt for d in deltas) == 2
-    extend = {"continue_final_message": True, "add_generation_prompt": False}
-    opened = [*user, {"role": "assistant", "content": written[1]}]
-    with openai.OpenAI(base_url=upstream_url, api_key=upstream_key, max_retries=0, timeout=120) as direct:
-        rest = direct.chat.completions.create(model=MODEL, messages=opened, max_tokens=160, extra_body=extend, **GREEDY)  # type: ignore[arg-type, call-overload]
-    assert (rest.choices[0].message.content or "").startswith(written[2])
-    usage = payloads[-1]["usage"]
-    [finish] = [d for d in deltas if isinstance(d, Finish)]
-    assert usage["completion_tokens"] == finish.usage.completion_tokens == 160 and usage["prompt_tokens"] == len(_prompt_ids(gateway, user))
-    wait_for("a new gateway worker", lambda: ready(gateway).status_code == 200, timeout=120, interval=0.25)
+    with redis_sync.Redis.from_url(gateway.redis_url) as client:
+        [worker] = [w.decode() for w in client.zrange(keys.WORKERS_ALIVE, 0, -1)]
+        os.kill(int(client.hget(keys.worker_info(worker), "pid") or 0), signal.SIGKILL)
+        events = stream.join(timeout=240)
+        assert events[-1][1] == "[DONE]"
+        payloads = [json.loads(data) for _, data in events[:-1]]
+        assert not [p for p in payloads if "error" in p], payloads[-3:]
+        finishes = [c["finish_reason"] for p in payloads for c in p.get("choices", []) if c.get("finish_reason")]
+        assert finishes == ["length"] and len({p["id"] for p in payloads}) == 1
+        text = content_before_error("openai_chat", events)
+        rid = payloads[0]["id"].removeprefix("chatcmpl-")
+        deltas = [decode_delta(fields[b"d"]) for _, fields in client.xrange(keys.delta_stream(rid))]
+        written = {attempt: "".join(d.text for d in deltas if isinstance(d, Content) and d.attempt == attempt) for attempt in (1, 2)}
+        assert written[1] and written[2] and text == written[1] + written[2], written
+        assert max(d.attempt for d in deltas) == 2
+        extend = {"continue_final_message": True, "add_generation_prompt": False}
+        opened = [*user, {"role": "assistant", "content": written[1]}]
+        with openai.OpenAI(base_url=upstream_url, api_key=upstream_key, max_retries=0, timeout=120) as direct:
+            rest = direct.chat.completions.create(model=MODEL, messages=opened, max_tokens=160, extra_body=extend, **GREEDY)  # type: ignore[arg-type, call-overload]
+        assert (rest.choices[0].message.content or "").startswith(written[2])
+        usage = payloads[-1]["usage"]
+        [finish] = [d for d in deltas if isinstance(d, Finish)]
+        assert usage["completion_tokens"] == finish.usage.completion_tokens == 160 and usage["prompt_tokens"] == len(_prompt_ids(gateway, user))
+        wait_for("a new gateway worker", lambda: ready(gateway).status_code == 200, timeout=120, interval=0.25)
 
 
 def _prompt_ids(gateway: LiveServer, messages: list[dict[str, str]]) -> list[int]:
