@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--kv-mb", type=int, default=512)
     parser.add_argument("--no-redis", action="store_true")
-    parser.add_argument("--quantization", default="none", help="comma-separated: none, int4 (workers.quant); a quantized run loads its own copy")
+    parser.add_argument("--quantization", default="none", help="comma-separated: none, auto, int4 (workers.quant); a quantized run loads its own copy")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), pick_dtype(args.dtype)
     loaded = load(args, device, dtype)

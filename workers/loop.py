@@ -454,9 +454,11 @@ class WorkerLoop(ClaimLoop[Engine]):
     """A model worker: the torch `Engine`, one step at a time in its step thread (so Redis I/O is not
     blocked behind a forward); a resumed request continues from the token ids already emitted.
 
-    Every step runs on the same one thread: torch's OpenMP pool belongs to the thread that calls it, so
-    steps that wandered over asyncio's default executor threads kept two pools, the idle one spinning on
-    a core the busy one needed (a single stream's inter-token gap was twice its in-process step time)."""
+    Every step runs on the same one thread: torch's OpenMP pool and its thread count
+    (`TorchRunner._pick_threads`) belong to the thread that calls torch, and steps sent through
+    asyncio's default executor moved between its threads, each with its own pool. Alone this change
+    did not move the single-stream gap (41.0 vs 41.3 ms, bench/RESULTS.md session 6); the thread
+    policy depends on it."""
 
     def __init__(self, redis: Redis, engine: Engine, *, settings: Settings, worker_id: str, info: dict[str, str]) -> None:
         super().__init__(redis, engine, settings=settings, worker_id=worker_id, info=info)

@@ -62,7 +62,7 @@ Weight = torch.Tensor | Int4Weight
 def check(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization {quantization!r}: choose one of {', '.join(QUANTIZATIONS)}")
-    if why := int4_unavailable(device, dtype) if quantization == "int4" else None:
+    if quantization == "int4" and (why := int4_unavailable(device, dtype)):
         raise ValueError(f"--quantization int4 {why}")
 
 
