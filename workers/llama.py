@@ -6,9 +6,17 @@ all running sequences and this step's prefill chunks) through the model as one [
 batch, writes each token's keys/values to its pool rows of the paged cache (`workers.kv_cache`), and
 reads each sequence's keys/values by its block table. Logits only for the rows that sample.
 
-Attention: the decode rows (one query each) are one batched attention over their gathered, padded
-keys/values (the zeroed padding row of the pool, masked out; SDPA on CUDA, two matmuls on CPU); each prefill chunk is one causal SDPA,
-over its own fresh keys/values when it starts at position 0, else over its gathered prefix.
+Attention (CPU) is one function for decode rows and prefill chunks alike, written so that a token's
+output is a function of its own query and keys only — never of its batch mates, of where the scheduler
+split its prompt into chunks, or of whether its prefix came from the cache (`_attend`; measured in
+`tests/workers/test_llama.py`). Keys are read from the paged cache by pool row and taken in fixed blocks
+of `KEY_BLOCK` absolute positions, with an online softmax across blocks in float32: the bf16 GEMMs of
+oneDNN give the same row whatever the other rows and whatever zero tail follows, and a key masked out
+adds exactly nothing. torch's SDPA is not like that on CPU: its flash kernel's blocking and its tail
+`exp` depend on the query and key lengths of the call, so the same prompt prefilled in one chunk or in
+two gave logits up to 0.7 apart, and a seeded request sampled differently depending on what else ran
+(measured: `bench/RESULTS.md`, session 7). The price is prefill attention: 5.9 vs 4.3 ms a layer for a
+512-token chunk, 78 vs 43 ms at 4,096 keys; decode costs the same. CUDA keeps SDPA (no such promise).
 
 Weights come from the HF model's own parameters (so GGUF and safetensors loading stay as they are);
 the HF q/k/v and gate/up parameters are re-pointed at views of the fused tensors, so the fused copy
@@ -32,6 +40,16 @@ from workers.quant import Weight, linear
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})  # inv_freq fixed at load time
+KEY_BLOCK = 512  # keys per block of the online softmax, at fixed absolute positions 0, 512, 1024, ...
+KEY_ALIGN = 64  # a span of keys shorter than one block is padded to a multiple of this
+
+
+def key_span(length: int) -> int:
+    """How many key rows an attention over `length` keys reads (the rest are the pool's zeroed padding row,
+    masked out): a multiple of KEY_ALIGN up to one block, else of KEY_BLOCK, so every block but a short
+    first one has the same width."""
+    unit = KEY_ALIGN if length <= KEY_BLOCK else KEY_BLOCK
+    return -(-length // unit) * unit
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +86,8 @@ class Chunk:
 
     offset: int
     length: int
-    read: torch.Tensor | None  # [start + length] pool rows of positions 0.. (None: start == 0, own keys)
-    mask: torch.Tensor | None  # [length, start + length] bool, True where a query may attend
+    read: torch.Tensor  # [P] pool rows of key positions 0.. (P = key_span(start + length); the padding row past the end)
+    mask: torch.Tensor  # [length, P] bool, True where a query may attend (causal from position start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +98,8 @@ class StepBatch:
     positions: torch.Tensor  # [N]
     write: torch.Tensor  # [N] pool rows the tokens' keys/values go to
     decode: int  # the first `decode` tokens are decode rows
-    decode_read: torch.Tensor | None  # [B, L] pool rows each decode row reads (padding row past its length)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool
+    decode_read: torch.Tensor | None  # [B, P] pool rows each decode row reads (padding row past its length)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, P] bool
     chunks: tuple[Chunk, ...]
     sample: torch.Tensor  # [R] flat indices of the tokens whose logits are sampled
 
@@ -213,37 +231,72 @@ def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch,
     if batch.decode:
         out.append(_decode_attention(q[: batch.decode], k_pool, v_pool, batch))
     for c in batch.chunks:
-        out.append(_chunk_attention(q[c.offset : c.offset + c.length], k[c.offset : c.offset + c.length], v[c.offset : c.offset + c.length], c, k_pool, v_pool))
+        out.append(_chunk_attention(q[c.offset : c.offset + c.length], c, k_pool, v_pool))
     attn = out[0] if len(out) == 1 else torch.cat(out)  # [N, heads, head_dim]
     return linear(attn.reshape(n, w.heads * d), layer.o, layer.o_bias)
 
 
 def _decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-    # q: [B, heads, head_dim] → [B, heads, head_dim]; one batched attention over the padded gathered keys
+    # q: [B, heads, head_dim] → [B, heads, head_dim]; each row over its own gathered keys (padded to the batch's span)
     assert batch.decode_read is not None and batch.decode_mask is not None
-    b, length = batch.decode_read.shape
-    flat = batch.decode_read.reshape(-1)  # [B * L]
-    keys = k_pool.index_select(0, flat).view(b, length, *k_pool.shape[1:])  # [B, L, kv_heads, head_dim]
-    values = v_pool.index_select(0, flat).view(b, length, *v_pool.shape[1:])
+    b, span = batch.decode_read.shape
+    flat = batch.decode_read.reshape(-1)  # [B * P]
+    keys = k_pool.index_select(0, flat).view(b, span, *k_pool.shape[1:])  # [B, P, kv_heads, head_dim]
+    values = v_pool.index_select(0, flat).view(b, span, *v_pool.shape[1:])
     if q.device.type == "cuda":
         out = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.decode_mask, enable_gqa=True)
         return out[:, :, 0, :]  # [B, heads, head_dim]
-    # On CPU two batched matmuls beat SDPA with a mask several times over (bench notes in bench/RESULTS.md).
     kv_heads, dim = keys.shape[2], keys.shape[3]
-    grouped = q.view(b, kv_heads, -1, dim)  # [B, kv_heads, heads / kv_heads, head_dim]
-    scores = torch.matmul(grouped, keys.permute(0, 2, 3, 1)).float() * dim**-0.5  # [B, kv_heads, group, L]
-    probs = scores.masked_fill(~batch.decode_mask, float("-inf")).softmax(dim=-1).to(q.dtype)
-    return torch.matmul(probs, values.transpose(1, 2)).reshape(b, -1, dim)  # [B, heads, head_dim]
+    grouped = q.view(b, kv_heads, -1, dim)  # [B, kv_heads, group, head_dim]
+    out = _attend(grouped, keys.permute(0, 2, 3, 1), values.transpose(1, 2), batch.decode_mask)  # [B, kv_heads, group, head_dim]
+    return out.reshape(b, -1, dim)
 
 
-def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: Chunk, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-    # q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] (this chunk's own) → [T, heads, head_dim]
-    # 4-D inputs: with 3-D ones, CPU SDPA takes the math path (≈ 2.5x slower here, bf16, 256 tokens)
-    if chunk.read is None:  # the chunk starts the sequence: its own keys are all it attends to
-        keys, values, mask = k.transpose(0, 1), v.transpose(0, 1), None
-    else:
-        keys = k_pool.index_select(0, chunk.read).transpose(0, 1)  # [kv_heads, start + T, head_dim]
-        values = v_pool.index_select(0, chunk.read).transpose(0, 1)
-        mask = chunk.mask
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-    return out[0].transpose(0, 1)  # [T, heads, head_dim]
+def _chunk_attention(q: torch.Tensor, chunk: Chunk, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+    # q: [T, heads, head_dim] → [T, heads, head_dim]; over the chunk's gathered keys (its own already written)
+    keys = k_pool.index_select(0, chunk.read)  # [P, kv_heads, head_dim]
+    values = v_pool.index_select(0, chunk.read)
+    if q.device.type == "cuda":
+        # 4-D inputs: with 3-D ones SDPA takes its math path
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=chunk.mask, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    t, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    rows = q.view(t, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, t * group, dim)  # [1, kv_heads, T * group, head_dim]: row t * group + g
+    valid = chunk.mask.repeat_interleave(group, dim=0)[None, None]  # [1, 1, T * group, P]
+    out = _attend(rows, keys.permute(1, 2, 0)[None], values.transpose(0, 1)[None], valid)  # [1, kv_heads, T * group, head_dim]
+    return out[0].view(kv_heads, t, group, dim).permute(1, 0, 2, 3).reshape(t, heads, dim)
+
+
+def _attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Batch- and split-invariant attention on CPU (see the module docstring).
+
+    q: [S, kv_heads, R, head_dim] (R query rows per kv head), keys_t: [S, kv_heads, head_dim, P],
+    values: [S, kv_heads, P, head_dim], valid: bool, broadcastable to [S, kv_heads, R, P], with key 0
+    valid for every row → [S, kv_heads, R, head_dim]. Blocks of KEY_BLOCK keys from position 0, each:
+    scores in float32, the running max, exp, the running sum, and p @ V from bf16 p (as transformers'
+    eager attention rounds its probabilities), added in float32. A block a row cannot see leaves its
+    sums exactly as they were (exp(-inf) = 0, scale exp(0) = 1)."""
+    scale = q.shape[-1] ** -0.5
+    span = keys_t.shape[-1]
+    out = total = peak = None
+    for b0 in range(0, span, KEY_BLOCK):
+        b1 = min(span, b0 + KEY_BLOCK)
+        scores = torch.matmul(q, keys_t[..., b0:b1]).float().mul_(scale)  # [S, kv_heads, R, block]
+        scores.masked_fill_(~valid[..., b0:b1], float("-inf"))
+        block_peak = scores.amax(dim=-1, keepdim=True)  # [S, kv_heads, R, 1]
+        if out is None or total is None or peak is None:
+            peak = block_peak
+            p = scores.sub_(peak).exp_()
+            total = p.sum(dim=-1, keepdim=True)
+            out = torch.matmul(p.to(q.dtype), values[..., b0:b1, :]).float()
+            continue
+        new_peak = torch.maximum(peak, block_peak)
+        rescale = (peak - new_peak).exp_()
+        p = scores.sub_(new_peak).exp_()
+        total = total.mul_(rescale).add_(p.sum(dim=-1, keepdim=True))
+        out = out.mul_(rescale).add_(torch.matmul(p.to(q.dtype), values[..., b0:b1, :]).float())
+        peak = new_peak
+    assert out is not None and total is not None
+    return out.div_(total).to(q.dtype)

@@ -212,22 +212,16 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_row: int, device: torch.d
     write = [s.blocks[p // block_size] * block_size + p % block_size for s, p in zip(seqs, positions, strict=True)]
     decode_read = decode_mask = None
     if plan.decode:
-        length = max(positions[: len(plan.decode)]) + 1
-        width = -(-length // block_size)
-        table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long)  # [B, width]
-        key_pos = torch.arange(length)  # [L]
-        valid = key_pos[None, :] <= torch.tensor(positions[: len(plan.decode)])[:, None]  # [B, L]
-        rows = table[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, L]
-        decode_read = torch.where(valid, rows, pad_row).to(device, non_blocking=True)
-        decode_mask = valid[:, None, None, :].to(device, non_blocking=True)  # [B, 1, 1, L]
+        ends = [p + 1 for p in positions[: len(plan.decode)]]
+        span = llama.key_span(max(ends))
+        decode_read = _key_rows(tables, ends, span, block_size=block_size, pad_row=pad_row).to(device, non_blocking=True)  # [B, P]
+        valid = torch.arange(span)[None, :] < torch.tensor(ends)[:, None]  # [B, P]
+        decode_mask = valid[:, None, None, :].to(device, non_blocking=True)  # [B, 1, 1, P]
     chunks = []
     for offset, c in chunk_spans:
-        if c.start == 0:
-            chunks.append(llama.Chunk(offset=offset, length=c.end - c.start, read=None, mask=None))
-            continue
-        key_pos = torch.arange(c.end)
-        read = torch.tensor(c.seq.blocks, dtype=torch.long)[key_pos // block_size] * block_size + key_pos % block_size  # [end]
-        mask = key_pos[None, :] <= torch.arange(c.start, c.end)[:, None]  # [T, end] causal from position start
+        span = llama.key_span(c.end)
+        read = _key_rows([c.seq.blocks], [c.end], span, block_size=block_size, pad_row=pad_row)[0]  # [P]
+        mask = torch.arange(span)[None, :] <= torch.arange(c.start, c.end)[:, None]  # [T, P] causal from position start
         chunks.append(llama.Chunk(offset=offset, length=c.end - c.start, read=read.to(device, non_blocking=True), mask=mask.to(device, non_blocking=True)))
     sample_at = list(range(len(plan.decode))) + [offset + c.end - c.start - 1 for offset, c in chunk_spans if c.completes_prompt]
     return llama.StepBatch(
@@ -240,6 +234,16 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_row: int, device: torch.d
         chunks=tuple(chunks),
         sample=torch.tensor(sample_at, dtype=torch.long, device=device),
     )
+
+
+def _key_rows(tables: list[list[int]], ends: list[int], span: int, *, block_size: int, pad_row: int) -> torch.Tensor:
+    """[len(tables), span] pool rows of key positions 0..span-1 by each block table; the zeroed padding
+    row from each table's `ends` entry on (those keys are masked out, and never stale rows)."""
+    width = -(-span // block_size)
+    table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long)  # [n, width]
+    key_pos = torch.arange(span)  # [P]
+    rows = table[:, key_pos // block_size] * block_size + key_pos % block_size  # [n, P]
+    return torch.where(key_pos[None, :] < torch.tensor(ends)[:, None], rows, pad_row)
 
 
 def _sampled(seq: Sequence, token: int, logprob: TokenLogprobData | None) -> Sampled:

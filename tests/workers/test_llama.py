@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from shared.deltas import Content, Finish
@@ -265,3 +266,89 @@ def test_in_bf16_a_sequence_gets_the_same_logits_alone_and_among_longer_batch_ma
     crowded = logits_of_me([me, *(prompt_request(f"o{k}", p, 8) for k, p in enumerate(ps[1:]))])
     assert len(alone) == len(crowded) == 8
     assert all(torch.equal(a, b) for a, b in zip(alone, crowded, strict=True))  # (the hf path differs by ~2e-3 here)
+
+
+def _attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, splits: list[int]) -> torch.Tensor:
+    """Every position's attention output through `_chunk_attention`, the prompt cut into chunks at `splits`."""
+    n, kv_heads, dim = k.shape
+    pad_row = n
+    k_pool = torch.cat([k, torch.zeros(1, kv_heads, dim, dtype=k.dtype)])  # row i = position i, then the padding row
+    v_pool = torch.cat([v, torch.zeros(1, kv_heads, dim, dtype=v.dtype)])
+    out, start = [], 0
+    for end in [*splits, n]:
+        span = llama.key_span(end)
+        read = torch.where(torch.arange(span) < end, torch.arange(span), pad_row)
+        mask = torch.arange(span)[None, :] <= torch.arange(start, end)[:, None]
+        out.append(llama._chunk_attention(q[start:end], llama.Chunk(offset=0, length=end - start, read=read, mask=mask), k_pool, v_pool))
+        start = end
+    return torch.cat(out)
+
+
+def _decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int], span: int) -> torch.Tensor:
+    """Decode rows at `positions` of one sequence, batched with keys padded to `span` (as longer batch mates do)."""
+    n, kv_heads, dim = k.shape
+    k_pool = torch.cat([k, torch.zeros(1, kv_heads, dim, dtype=k.dtype)])
+    v_pool = torch.cat([v, torch.zeros(1, kv_heads, dim, dtype=v.dtype)])
+    ends = torch.tensor(positions)[:, None] + 1
+    read = torch.where(torch.arange(span)[None, :] < ends, torch.arange(span)[None, :], n)
+    batch = llama.StepBatch(
+        input_ids=torch.zeros(0), positions=torch.zeros(0), write=torch.zeros(0), decode=len(positions), decode_read=read,
+        decode_mask=(torch.arange(span)[None, :] < ends)[:, None, None, :], chunks=(), sample=torch.zeros(0),
+    )  # fmt: skip
+    return llama._decode_attention(q[positions], k_pool, v_pool, batch)
+
+
+def test_bf16_attention_is_the_same_per_token_however_the_prompt_is_chunked_and_whoever_decodes_beside_it() -> None:
+    # SmolLM2's geometry (9 heads, 3 kv heads, 64 dims), 1,700 positions: past three key blocks, and past
+    # the key lengths where torch's SDPA and oneDNN's K blocking change with the shape of the call.
+    gen = torch.Generator().manual_seed(0)
+    n = 1700
+    q, k, v = (torch.randn(n, heads, 64, generator=gen).bfloat16() for heads in (9, 3, 3))
+    whole = _attention_rows(q, k, v, list(range(512, n, 512)))  # the scheduler's biggest chunks
+    for splits in ([1], [33, 500], [100, 400, 1013, 1520], list(range(37, n, 37)), [1699]):
+        assert torch.equal(_attention_rows(q, k, v, splits), whole), splits
+    for positions, span in (([5], 64), ([5], 2048), ([1699], 1700), ([3, 800, 1699], 2048), (list(range(0, n, 97)), 1792)):
+        rows = _decode_rows(q, k, v, positions, llama.key_span(span))
+        assert torch.equal(rows, whole[positions]), positions  # a decode row equals the same position prefilled
+    reference = F.scaled_dot_product_attention(q[None].transpose(1, 2).float(), k[None].transpose(1, 2).float(), v[None].transpose(1, 2).float(), is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(whole.float(), reference[0].transpose(0, 1), atol=2e-2, rtol=2e-2)  # and it is attention
+
+
+def test_the_default_model_in_bf16_gives_identical_logits_whatever_the_step_budget_cuts_its_prompt_into() -> None:
+    """Where the scheduler cuts a prompt (its step budget, its batch mates) must not move a logit: a seeded
+    request at temperature 1 would sample differently depending on what else ran (a 387-token prompt,
+    prefilled in one chunk and in chunks of 100, 33 and 7 tokens; then its first decode steps)."""
+    from models.files import local_folder
+    from models.prompt import PromptRenderer
+    from shared.ir import Message, Protocol, Role, SamplingParams, TextPart
+    from workers.runner import load_model
+
+    settings = Settings.from_env(os.environ)
+    name, folder = local_folder(settings.model, settings.model_cache)
+    renderer = PromptRenderer.load(folder, name=name, max_model_len=1024)
+    model = load_model(folder, device=torch.device("cpu"), dtype=torch.bfloat16)
+    text = "Tell me a long story about " + "a dragon and a knight " * 70
+    req = Request(id="r", protocol=Protocol.OPENAI_CHAT, model="m", messages=(Message(role=Role.USER, content=(TextPart(text=text),)),), sampling=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    req = replace(req, prompt_token_ids=tuple(renderer.render(req)))
+    assert len(req.prompt_token_ids) > 300
+
+    def logits(budget: int) -> list[torch.Tensor]:
+        runner = TorchRunner(model, max_len=1024, kv_budget_mb=64, device=torch.device("cpu"), dtype=torch.bfloat16, model_impl="lean")
+        rows: list[torch.Tensor] = []
+        sample = runner.sample
+
+        def recording(seqs: list[Sequence], lg: torch.Tensor) -> Any:
+            rows.extend(lg[i].clone() for i in range(len(seqs)))
+            return sample(seqs, lg)
+
+        runner.sample = recording  # type: ignore[method-assign]
+        engine = Engine(runner, renderer.tokenizer, renderer.info, settings=Settings(max_running=4, max_tokens_per_step=budget, prefix_cache=False))
+        engine.add(req)
+        while engine.has_work():
+            engine.step()
+        return rows
+
+    whole = logits(512)
+    assert len(whole) == 4
+    for budget in (100, 33, 7):
+        assert all(torch.equal(a, b) for a, b in zip(whole, logits(budget), strict=True)), budget
