@@ -3,12 +3,13 @@
 KV cache: the paged block pool of `workers.kv_cache` (blocks of `BLOCK_SIZE` positions, sized by
 `--kv-budget-mb`, or a share of free memory by default).
 
-Two model paths (`--model-impl`, MET_MODEL_IMPL; the server's default is still `hf` until
-tests/e2e/test_scheduling.py's n-choices reproducibility check passes on lean, see bench/RESULTS.md):
+Two model paths (`--model-impl`, MET_MODEL_IMPL; default `auto`: lean wherever it applies):
 - lean (`auto` picks it for the Llama family, `workers.llama`): ONE forward per step — the decode
   tokens of every running sequence and this step's prefill chunks flattened into one [tokens] batch
   (`step_batch`), each token with its position and the pool row it writes; attention reads each
-  sequence's keys/values through its block table.
+  sequence's keys/values through its block table. On CPU in bf16 a token's logits do not depend on its
+  batch mates, on where its prompt was cut into chunks, or on prefix-cache hits (`llama._attend`), so
+  a seeded request samples the same tokens however it was scheduled, and a replay reproduces it.
 - hf (any other architecture, or asked for): transformers' generic forward, once for the decode batch
   and once per prefill chunk; per batch row the pool rows its new tokens go to and the rows of the
   sequence's positions so far, a boolean 4-D mask giving each row its own length, plugged in through
