@@ -3,7 +3,9 @@
 KV cache: the paged block pool of `workers.kv_cache` (blocks of `BLOCK_SIZE` positions, sized by
 `--kv-budget-mb`, or a share of free memory by default).
 
-Two model paths (`--model-impl`, MET_MODEL_IMPL; default `auto`: lean wherever it applies):
+Two model paths (`--model-impl`, MET_MODEL_IMPL; the server's default is still `hf`: behind a live
+server, lean's decode at batch 32 measures slower than hf's, though it is faster in-process; see
+bench/RESULTS.md, session 7):
 - lean (`auto` picks it for the Llama family, `workers.llama`): ONE forward per step — the decode
   tokens of every running sequence and this step's prefill chunks flattened into one [tokens] batch
   (`step_batch`), each token with its position and the pool row it writes; attention reads each
