@@ -280,23 +280,24 @@ def _attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, valid: 
     sums exactly as they were (exp(-inf) = 0, scale exp(0) = 1)."""
     scale = q.shape[-1] ** -0.5
     span = keys_t.shape[-1]
-    out = total = peak = None
-    for b0 in range(0, span, KEY_BLOCK):
-        b1 = min(span, b0 + KEY_BLOCK)
-        scores = torch.matmul(q, keys_t[..., b0:b1]).float().mul_(scale)  # [S, kv_heads, R, block]
-        scores.masked_fill_(~valid[..., b0:b1], float("-inf"))
-        block_peak = scores.amax(dim=-1, keepdim=True)  # [S, kv_heads, R, 1]
-        if out is None or total is None or peak is None:
-            peak = block_peak
-            p = scores.sub_(peak).exp_()
-            total = p.sum(dim=-1, keepdim=True)
-            out = torch.matmul(p.to(q.dtype), values[..., b0:b1, :]).float()
-            continue
-        new_peak = torch.maximum(peak, block_peak)
+
+    def scores_of(b0: int) -> torch.Tensor:  # [..., R, block] float32, masked
+        scores = torch.matmul(q, keys_t[..., b0 : b0 + KEY_BLOCK]).float().mul_(scale)
+        return scores.masked_fill_(~valid[..., b0 : b0 + KEY_BLOCK], float("-inf"))
+
+    def pv(p: torch.Tensor, b0: int) -> torch.Tensor:  # [..., R, head_dim] float32
+        return torch.matmul(p.to(q.dtype), values[..., b0 : b0 + KEY_BLOCK, :]).float()
+
+    scores = scores_of(0)
+    peak = scores.amax(dim=-1, keepdim=True)  # [..., R, 1]
+    p = scores.sub_(peak).exp_()
+    total, out = p.sum(dim=-1, keepdim=True), pv(p, 0)
+    for b0 in range(KEY_BLOCK, span, KEY_BLOCK):
+        scores = scores_of(b0)
+        new_peak = torch.maximum(peak, scores.amax(dim=-1, keepdim=True))
         rescale = (peak - new_peak).exp_()
         p = scores.sub_(new_peak).exp_()
         total = total.mul_(rescale).add_(p.sum(dim=-1, keepdim=True))
-        out = out.mul_(rescale).add_(torch.matmul(p.to(q.dtype), values[..., b0:b1, :]).float())
+        out = out.mul_(rescale).add_(pv(p, b0))
         peak = new_peak
-    assert out is not None and total is not None
     return out.div_(total).to(q.dtype)
