@@ -31,9 +31,10 @@ import os
 import socket
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
@@ -76,6 +77,8 @@ class LoopEngine(Protocol):
 
 
 E = TypeVar("E", bound=LoopEngine)
+T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class ClaimLoop(Generic[E]):
@@ -450,23 +453,52 @@ class ClaimLoop(Generic[E]):
         self.held.clear()
 
 
+def torch_thread() -> ThreadPoolExecutor:
+    """The one thread a model worker process runs torch on (`WorkerLoop` says why only one)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="met-torch")
+
+
+def on_thread(thread: ThreadPoolExecutor, call: Callable[P, T]) -> Callable[P, T]:
+    """`call`, run on `thread` while the caller waits: for torch work that the loop starts between steps."""
+
+    def run(*args: P.args, **kwargs: P.kwargs) -> T:
+        return thread.submit(call, *args, **kwargs).result()
+
+    return run
+
+
 class WorkerLoop(ClaimLoop[Engine]):
-    """A model worker: the torch `Engine`, one step at a time in its step thread (so Redis I/O is not
+    """A model worker: the torch `Engine`, one step at a time on its torch thread (so Redis I/O is not
     blocked behind a forward); a resumed request continues from the token ids already emitted.
 
-    Every step runs on the same one thread: torch's OpenMP pool and its thread count
-    (`TorchRunner._pick_threads`) belong to the thread that calls torch, and steps sent through
-    asyncio's default executor moved between its threads, each with its own pool. Alone this change
-    did not move the single-stream gap (41.0 vs 41.3 ms, bench/RESULTS.md session 6); the thread
-    policy depends on it."""
+    All of the process's torch work runs on that one thread (`torch_thread()`): the model's load
+    (workers.main), every step, and a request's prompt scoring, which `start` runs on the loop
+    between steps and so hands to the torch thread and waits for. torch's OpenMP pool and its thread
+    count (`TorchRunner._pick_threads`) belong to the thread that calls torch: each thread that runs
+    a parallel op gets a pool of its own, which lives as long as that thread. Once two pools exist,
+    libgomp holds more threads than the machine has cores and cuts the time its threads spin at a
+    barrier to almost nothing, so every parallel op of every step pays a futex sleep and wake: on
+    2 cores a bf16 [32, 576] @ [576, 1536] took 140 µs with one pool and 300 µs once the loading
+    thread's pool also existed (bench/RESULTS.md, session 8)."""
 
-    def __init__(self, redis: Redis, engine: Engine, *, settings: Settings, worker_id: str, info: dict[str, str]) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        engine: Engine,
+        *,
+        settings: Settings,
+        worker_id: str,
+        info: dict[str, str],
+        stepper: ThreadPoolExecutor | None = None,
+    ) -> None:
         super().__init__(redis, engine, settings=settings, worker_id=worker_id, info=info)
         self._last_counts = (time.monotonic(), 0, 0)
         if self.faults.fail_on:
             engine.runner = FaultyRunner(engine.runner, self.faults)
         self.figures = engine.figures()
-        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="met-step")
+        self._stepper = stepper or torch_thread()
+        if engine.score_prompt is not None:
+            engine.score_prompt = on_thread(self._stepper, engine.score_prompt)
 
     async def run(self, stop: asyncio.Event) -> None:
         try:

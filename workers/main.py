@@ -9,6 +9,7 @@ import secrets
 import signal
 import socket
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
@@ -24,7 +25,7 @@ from shared import keys
 from shared.seal import load_sealer
 from shared.settings import Settings
 from workers.engine import Engine
-from workers.loop import WorkerLoop
+from workers.loop import WorkerLoop, torch_thread
 
 log = logging.getLogger("met.worker")
 T = TypeVar("T")
@@ -71,6 +72,13 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
     return engine, info
 
 
+async def load_engine(settings: Settings) -> tuple[Engine, dict[str, str], ThreadPoolExecutor]:
+    """`build_engine` on a new torch thread, the one that will step it (`WorkerLoop` says why only one)."""
+    stepper = torch_thread()
+    engine, info = await asyncio.get_running_loop().run_in_executor(stepper, build_engine, settings)
+    return engine, info, stepper
+
+
 def redis_client(url: str) -> Redis:
     """The worker's client: one quick retry per command (bus.connect.quick_retry) and a short connect
     timeout. The loop rides out a longer outage itself (workers.loop), stepping on while it waits."""
@@ -86,10 +94,10 @@ async def run_worker(settings: Settings) -> None:
     if settings.upstream:  # a gateway worker (workers/gateway.py): the model runs on the upstream
         await _run_gateway(settings, worker_id=worker_id, stop=stop)
         return
-    engine, info = await asyncio.to_thread(build_engine, settings)
+    engine, info, stepper = await load_engine(settings)
     redis = redis_client(settings.redis_url)
     engine.sealer = await _until_redis_answers(lambda: load_sealer(redis, keys.SEAL_KEY))
-    loop = WorkerLoop(redis, engine, settings=settings, worker_id=worker_id, info=info)
+    loop = WorkerLoop(redis, engine, settings=settings, worker_id=worker_id, info=info, stepper=stepper)
     log.info("worker %s ready: %s", worker_id, info)
     try:
         await loop.run(stop)

@@ -3,9 +3,7 @@
 KV cache: the paged block pool of `workers.kv_cache` (blocks of `BLOCK_SIZE` positions, sized by
 `--kv-budget-mb`, or a share of free memory by default).
 
-Two model paths (`--model-impl`, MET_MODEL_IMPL; the server's default is still `hf`: behind a live
-server, lean's decode at batch 32 measures slower than hf's, though it is faster in-process; see
-bench/RESULTS.md, session 7):
+Two model paths (`--model-impl`, MET_MODEL_IMPL; default `auto`: lean wherever it applies):
 - lean (`auto` picks it for the Llama family, `workers.llama`): ONE forward per step — the decode
   tokens of every running sequence and this step's prefill chunks flattened into one [tokens] batch
   (`step_batch`), each token with its position and the pool row it writes; attention reads each
@@ -55,7 +53,6 @@ def load_model(folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any
 
 
 MODEL_IMPLS = ("auto", "lean", "hf")
-SMALL_STEP_TOKENS = 8  # a step with at most this many tokens leaves one core to the rest of the pipeline (_pick_threads)
 
 
 class TorchRunner:
@@ -65,7 +62,6 @@ class TorchRunner:
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"--model-impl {model_impl!r}: choose one of {', '.join(MODEL_IMPLS)}")
         self.dtype = dtype
-        self.threads = torch.get_num_threads()  # torch's default (the cores), or OMP_NUM_THREADS: what a large step uses
         self.model = model
         self.device = device
         geometry = KVGeometry.of(model, dtype)
@@ -120,7 +116,6 @@ class TorchRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[list[Sequence], torch.Tensor]:
         """The step's model work: the sequences that sample, and their logits [R, vocab] float32."""
-        self._pick_threads(len(plan.decode) + sum(c.end - c.start for c in plan.prefill))
         if self.lean is not None:
             rows = [*plan.decode, *(c.seq for c in plan.prefill if c.completes_prompt)]
             if not plan.decode and not plan.prefill:
@@ -128,17 +123,6 @@ class TorchRunner:
             batch = step_batch(plan, block_size=self.block_size, pad_row=self.cache.pad_row, device=self.device)
             return rows, llama.forward(self.lean, batch, self.cache.keys, self.cache.values).float()
         return self._hf_forward(plan)
-
-    def _pick_threads(self, tokens: int) -> None:
-        """A step of at most SMALL_STEP_TOKENS runs on one intra-op thread fewer than torch's default
-        (never under one), leaving a core to the API, Redis and the clients, which each token wakes: on
-        2 cores a single stream's forward is bound by memory, not arithmetic, and its second thread only
-        fought them for the core (bench/RESULTS.md, session 6). Larger steps use every thread."""
-        if self.device.type != "cpu":
-            return
-        want = max(1, self.threads - 1) if tokens <= SMALL_STEP_TOKENS else self.threads
-        if want != torch.get_num_threads():
-            torch.set_num_threads(want)
 
     def _hf_forward(self, plan: StepPlan) -> tuple[list[Sequence], torch.Tensor]:
         rows: list[Sequence] = []

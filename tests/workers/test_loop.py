@@ -279,3 +279,55 @@ def test_a_kill_9_and_restart_of_redis_mid_generation_is_ridden_out_with_every_d
         asyncio.run(scenario())
     finally:
         server.stop()
+
+
+def test_a_model_worker_loads_steps_and_scores_prompts_on_its_one_torch_thread(redis_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real default model through `load_engine` and the loop: every torch call of the process (the
+    load, each step, a request's prompt scoring, which `start` runs between steps) is made on one
+    thread, not the loop's, so one OpenMP pool exists (WorkerLoop's docstring: two made every op slower)."""
+    import threading
+
+    from workers import runner as runner_module
+    from workers.main import load_engine
+
+    threads: dict[str, set[int]] = {"load": set(), "step": set(), "score": set()}
+    real_load = runner_module.load_model
+
+    def load_model(*args: Any, **kwargs: Any) -> Any:
+        threads["load"].add(threading.get_ident())
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "load_model", load_model)
+
+    async def body(redis: Redis) -> None:
+        settings = replace(Settings.from_env({}), redis_url=redis_server, kv_budget_mb=64)
+        engine, info, stepper = await load_engine(settings)
+        try:
+            model_forward = engine.runner.forward
+
+            def forward(plan: Any) -> Any:
+                threads["step"].add(threading.get_ident())
+                return model_forward(plan)
+
+            engine.runner.forward = forward  # type: ignore[method-assign]
+            score_prompt = engine.score_prompt
+            assert score_prompt is not None
+
+            def score(*args: Any, **kwargs: Any) -> Any:
+                threads["score"].add(threading.get_ident())
+                return score_prompt(*args, **kwargs)
+
+            engine.score_prompt = score
+            loop = WorkerLoop(redis, engine, settings=settings, worker_id=f"w-{time.monotonic_ns()}", info=info, stepper=stepper)
+            rids = [f"torch-{k}-{time.monotonic_ns()}" for k in range(2)]
+            await queue(redis, make_request(rids[0], prompt_len=12, max_tokens=4, prompt_logprobs=2), make_request(rids[1], prompt_len=30, max_tokens=4))
+            await until_done(loop, redis, rids)
+            scored = [d for d in await recorded(redis, rids[0]) if isinstance(d, Content) and d.prompt_logprobs]
+            assert len(scored) == 1 and len(scored[0].prompt_logprobs or ()) == 12
+        finally:
+            stepper.shutdown(wait=True)
+        assert all(threads.values()), threads
+        assert len(set().union(*threads.values())) == 1, threads
+        assert threading.get_ident() not in threads["load"]
+
+    run(redis_server, body)

@@ -4,7 +4,6 @@ block reuse don't change a sequence's tokens, and a deadline ends a request with
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import pytest
 import torch
@@ -158,26 +157,3 @@ def own_greedy(model: object, prompt: list[int], n: int) -> list[int]:
         out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)  # type: ignore[operator]
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
-
-
-def test_a_small_step_leaves_a_core_to_the_pipeline_and_a_large_one_uses_every_thread(tiny: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = TorchRunner(tiny, max_len=128, kv_budget_mb=16, device=torch.device("cpu"), dtype=torch.float32)
-    runner.threads = 4  # as on a 4-core machine
-    used: list[int] = []
-    forward = runner.forward
-
-    def recording(plan: Any) -> Any:
-        out = forward(plan)
-        used.append(torch.get_num_threads())  # what the step's forward ran on
-        return out
-
-    monkeypatch.setattr(runner, "forward", recording)
-    before = torch.get_num_threads()
-    try:
-        engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=4, max_tokens_per_step=256))
-        engine.add(make_request("long", prompt_len=40, max_tokens=3, ignore_eos=True))
-        while engine.has_work():
-            engine.step()
-    finally:
-        torch.set_num_threads(before)
-    assert used == [4, 3, 3]  # the 40-token prefill on all four, each 1-token decode step on three
