@@ -19,6 +19,7 @@ shape (`--random tiny` ≈ 1M parameters for a CPU check, `--random 1b`: hidden 
 
     python bench/step_profile.py [--model smollm2 | --random tiny|1b] [--device cpu|cuda] [--dtype bfloat16]
                                  [--impl lean,hf] [--batch 1,8,32] [--prompt-len 64] [--steps 32] [--no-redis]
+                                 [--temperature 0.2 --top-p 0.9]  (sampled rows: the sampler phase; default greedy)
 """
 
 from __future__ import annotations
@@ -99,11 +100,11 @@ def load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> 
     return Loaded(model, tokenizer or IdTokenizer(), ModelInfo(name="random", max_model_len=4096, eos_token_ids=(), sampling_defaults={}), f"random {args.random} ({params:.2f}B)")
 
 
-def requests(batch: int, prompt_len: int, steps: int) -> list[Request]:
+def requests(batch: int, prompt_len: int, steps: int, *, temperature: float = 0.0, top_p: float | None = None) -> list[Request]:
     out = []
     for i in range(batch):
         prompt = tuple((i * 131 + k * 7) % 20000 + 100 for k in range(prompt_len))
-        sampling = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=steps + 64, ignore_eos=True)
         req = Request(id=f"p{i}", protocol=Protocol.OPENAI_CHAT, model="m", messages=(Message(role=Role.USER, content=(TextPart(text="x"),)),), sampling=sampling, prompt_token_ids=prompt)
         out.append(req)
     return out
@@ -113,7 +114,7 @@ def profile(loaded: Loaded, *, impl: str, batch: int, args: argparse.Namespace, 
     device, dtype = torch.device(args.device), pick_dtype(args.dtype)
     runner = TorchRunner(loaded.model, max_len=4096, kv_budget_mb=args.kv_mb, device=device, dtype=dtype, model_impl=impl).quantize(quantization)
     engine = Engine(runner, loaded.tokenizer, loaded.info, settings=Settings(max_running=batch, max_tokens_per_step=max(512, batch)))
-    reqs = requests(batch, args.prompt_len, args.steps)
+    reqs = requests(batch, args.prompt_len, args.steps, temperature=args.temperature, top_p=args.top_p)
     encoders = {r.id: ChatStreamEncoder(r) for r in reqs}
     for r in reqs:
         engine.add(r)
@@ -176,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--kv-mb", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.0, help="every request's (default greedy); e.g. 0.2 with --top-p 0.9, SmolLM2's own defaults")
+    parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--no-redis", action="store_true")
     parser.add_argument("--quantization", default="none", help="comma-separated: none, auto, int4 (workers.quant); a quantized run loads its own copy")
     args = parser.parse_args(argv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import secrets
@@ -79,6 +80,30 @@ async def load_engine(settings: Settings) -> tuple[Engine, dict[str, str], Threa
     return engine, info, stepper
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+MMAP_THRESHOLD = 32 * 2**20  # glibc's largest: blocks up to this size come from the heap, not mmap
+TRIM_THRESHOLD = 2**30  # free memory the heap keeps before it gives any back
+
+
+def keep_freed_memory() -> bool:
+    """After the load, tell glibc's malloc to keep freed memory for the next allocation (where glibc is
+    the C library; elsewhere nothing changes). A step allocates and frees tens of MB of temporaries
+    (gathered keys and values, their transposed copies), and by default glibc hands large freed blocks
+    back to the kernel: the next step then page-faults and zeroes the same memory again. On 2 cores
+    that doubled the decode attention of 32 sequences over 1,024 keys (a layer: 14-19 ms, 9-10 ms with
+    this; bench/RESULTS.md, session 8). The price: the worker's RSS stays at its busiest step's
+    high-water mark. There is no torch or Python setting for it, and jemalloc/tcmalloc would have to be
+    preloaded before the process starts, which `met worker` run by hand cannot do for itself."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    done = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    log.info("malloc: freed memory %s (mallopt)", "kept for reuse" if done else "handled as glibc's default")
+    return done
+
+
 def redis_client(url: str) -> Redis:
     """The worker's client: one quick retry per command (bus.connect.quick_retry) and a short connect
     timeout. The loop rides out a longer outage itself (workers.loop), stepping on while it waits."""
@@ -95,6 +120,7 @@ async def run_worker(settings: Settings) -> None:
         await _run_gateway(settings, worker_id=worker_id, stop=stop)
         return
     engine, info, stepper = await load_engine(settings)
+    keep_freed_memory()
     redis = redis_client(settings.redis_url)
     engine.sealer = await _until_redis_answers(lambda: load_sealer(redis, keys.SEAL_KEY))
     loop = WorkerLoop(redis, engine, settings=settings, worker_id=worker_id, info=info, stepper=stepper)

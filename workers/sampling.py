@@ -328,12 +328,45 @@ def _top_k(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    # logits: [R, vocab] of rows with top-p (and maybe top-k); one descending sort serves both
-    vocab, device = logits.shape[-1], logits.device
+    # logits: [R, vocab] of rows with top-p (and maybe top-k). The kept set is almost always a few
+    # tokens, so it is looked for among each row's TOP_P_CANDIDATES best (one topk, no sort of the
+    # vocabulary); the rows whose kept set reaches past them (a flat distribution) take the full sort.
+    vocab = logits.shape[-1]
+    k = min(vocab, TOP_P_CANDIDATES)
+    top_k, top_p = _top_k_top_p_params(params, vocab, logits.device)
+    if k == vocab:
+        return _top_k_top_p_sorted(logits, top_k, top_p)
+    values, order = logits.topk(k, dim=-1)  # [R, k], descending
+    values = values.masked_fill(torch.arange(k, device=logits.device)[None, :] >= top_k[:, None], _NEG_INF)
+    within = top_k <= k  # [R]: the top-k set is among the candidates, so it normalizes alone
+    norm = torch.where(within, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))  # [R]
+    probs = (values - norm[:, None]).exp()  # [R, k]: the candidates' probabilities after top-k
+    mass = probs.cumsum(dim=-1)
+    drop = mass - probs >= top_p[:, None]  # the mass of the better tokens already reaches p
+    drop[:, 0] = False
+    out = torch.full_like(logits, _NEG_INF).scatter_(-1, order, values.masked_fill(drop, _NEG_INF))
+    wider = ~(within | (mass[:, -1] >= top_p))  # [R]: a token past the candidates is kept too
+    if bool(wider.any()):
+        rows = wider.nonzero().squeeze(1)
+        out[rows] = _top_k_top_p_sorted(logits[rows], top_k[rows], top_p[rows])
+    return out
+
+
+TOP_P_CANDIDATES = 1024  # top-p's first look (`_top_k_top_p`): topk of 1,024 of SmolLM2's 49,152 takes a fraction of a full sort
+
+
+def _top_k_top_p_params(params: list[SamplingParams], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # [R] top-k (vocab when unset) and [R] top-p (inf when unset)
     top_k = torch.tensor([p.top_k if p.top_k and 0 < p.top_k < vocab else vocab for p in params], device=device)
     top_p = torch.tensor([_top_p(p) if _top_p(p) < 1.0 else math.inf for p in params], device=device)
+    return top_k, top_p
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    # logits: [R, vocab]; one descending sort of the whole vocabulary serves both
+    vocab = logits.shape[-1]
     ordered, order = logits.sort(dim=-1, descending=True)  # [R, vocab]
-    ranks = torch.arange(vocab, device=device)[None, :]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
     ordered = ordered.masked_fill(ranks >= top_k[:, None], _NEG_INF)
     probs = ordered.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # mass of the better tokens: keep while it is < p

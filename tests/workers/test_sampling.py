@@ -181,6 +181,32 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert kept(process_logits(DIST_LOGITS, [row(top_p=1.0)])) == [0, 1, 2, 3]
 
 
+def test_top_p_over_a_real_sized_vocabulary_keeps_the_same_set_as_a_full_sort_whether_it_is_narrow_or_wide() -> None:
+    """Top-p first looks among each row's 1,024 best tokens (workers.sampling.TOP_P_CANDIDATES); rows
+    whose kept set reaches past them (flat ones, a top-k above 1,024) must still get the exact set,
+    checked against a float64 sort of every row here."""
+    vocab = 6000
+    generator = torch.Generator().manual_seed(5)
+    shapes = [(8.0, {}), (2.0, {}), (0.05, {}), (8.0, {"top_k": 50}), (0.05, {"top_k": 2000}), (0.05, {"top_k": 700}), (1.0, {"top_k": 5999})]
+    rows, logits = [], []
+    for scale, extra in shapes:
+        for top_p in (0.3, 0.9, 0.99):
+            rows.append(row(top_p=top_p, **extra))
+            logits.append(torch.randn(vocab, generator=generator) * scale)
+    processed = process_logits(torch.stack(logits), rows)
+    sizes = []
+    for j, (r, raw) in enumerate(zip(rows, logits, strict=True)):
+        order = raw.double().argsort(descending=True)
+        top_k = r.params.top_k or vocab
+        probs = raw.double()[order[:top_k]].softmax(dim=-1)
+        before = probs.cumsum(dim=0) - probs
+        want = sorted(order[:top_k][before < (r.params.top_p or 1.0)].tolist())
+        assert processed[j].isfinite().nonzero().flatten().tolist() == want, (j, r.params)
+        assert torch.equal(processed[j][want], raw[want])  # kept logits untouched (temperature 1)
+        sizes.append(len(want))
+    assert min(sizes) == 1 and max(sizes) > 1024  # both ways were taken: narrow sets and wide ones
+
+
 def test_top_k_keeps_the_k_best() -> None:
     assert kept(process_logits(DIST_LOGITS, [row(top_k=3)])) == [0, 1, 2]
 
