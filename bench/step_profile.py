@@ -20,6 +20,7 @@ shape (`--random tiny` ≈ 1M parameters for a CPU check, `--random 1b`: hidden 
     python bench/step_profile.py [--model smollm2 | --random tiny|1b] [--device cpu|cuda] [--dtype bfloat16]
                                  [--impl lean,hf] [--batch 1,8,32] [--prompt-len 64] [--steps 32] [--no-redis]
                                  [--temperature 0.2 --top-p 0.9]  (sampled rows: the sampler phase; default greedy)
+                                 [--malloc-default]  (glibc's malloc untuned, unlike the worker)
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from shared.codec import decode_delta, encode_delta
 from shared.ir import Message, Protocol, Request, Role, SamplingParams, TextPart
 from shared.settings import Settings
 from workers.engine import Engine
+from workers.main import keep_freed_memory
 from workers.runner import TorchRunner, pick_dtype
 
 PHASES = ("forward", "sampler", "detok", "redis", "encode")
@@ -179,14 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-mb", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.0, help="every request's (default greedy); e.g. 0.2 with --top-p 0.9, SmolLM2's own defaults")
     parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--malloc-default", action="store_true", help="leave glibc's malloc as it is (the worker tunes it: workers.main.keep_freed_memory)")
     parser.add_argument("--no-redis", action="store_true")
     parser.add_argument("--quantization", default="none", help="comma-separated: none, auto, int4 (workers.quant); a quantized run loads its own copy")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), pick_dtype(args.dtype)
     loaded = load(args, device, dtype)
+    kept = False if args.malloc_default else keep_freed_memory()  # as the worker does after its load
     server, redis = local_redis(not args.no_redis)
     load1, load5, _ = os.getloadavg()
-    print(f"{loaded.label} on {device} {args.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, load average {load1:.2f} {load5:.2f}")
+    print(f"{loaded.label} on {device} {args.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, freed memory {'kept' if kept else 'given back'}, load average {load1:.2f} {load5:.2f}")
     print(f"{'impl':10} {'batch':>5} " + " ".join(f"{p + ' ms':>11}" for p in PHASES) + f" {'step ms':>9} {'tok/s':>8}")
     try:
         for quantization in args.quantization.split(","):
