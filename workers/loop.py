@@ -473,13 +473,12 @@ class WorkerLoop(ClaimLoop[Engine]):
 
     All of the process's torch work runs on that one thread (`torch_thread()`): the model's load
     (workers.main), every step, and a request's prompt scoring, which `start` runs on the loop
-    between steps and so hands to the torch thread and waits for. torch's OpenMP pool and its thread
-    count (`TorchRunner._pick_threads`) belong to the thread that calls torch: each thread that runs
-    a parallel op gets a pool of its own, which lives as long as that thread. Once two pools exist,
-    libgomp holds more threads than the machine has cores and cuts the time its threads spin at a
-    barrier to almost nothing, so every parallel op of every step pays a futex sleep and wake: on
-    2 cores a bf16 [32, 576] @ [576, 1536] took 140 µs with one pool and 300 µs once the loading
-    thread's pool also existed (bench/RESULTS.md, session 8)."""
+    between steps and so hands to the torch thread and waits for. torch's OpenMP pool belongs to the
+    thread that calls torch: each thread that runs a parallel op gets a pool of its own, which lives
+    as long as that thread. Once two pools exist, libgomp holds more threads than the machine has
+    cores and cuts the time its threads spin at a barrier to almost nothing, so every parallel op of
+    every step pays a futex sleep and wake: on 2 cores a bf16 [32, 576] @ [576, 1536] took 137 µs
+    with one pool and 216-241 µs once a second thread's pool also existed (bench/RESULTS.md, session 8)."""
 
     def __init__(
         self,

@@ -53,6 +53,7 @@ from shared.ir import SamplingParams
 
 _DRY_MAX_MATCH = 50  # longest match DRY measures: bounds base**length and the worst-case scan
 _NEG_INF = float("-inf")
+TOP_P_CANDIDATES = 1024  # top-p's first look (`_top_k_top_p`): topk of 1,024 of SmolLM2's 49,152 takes a fraction of a full sort
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -350,9 +351,6 @@ def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
         rows = wider.nonzero().squeeze(1)
         out[rows] = _top_k_top_p_sorted(logits[rows], top_k[rows], top_p[rows])
     return out
-
-
-TOP_P_CANDIDATES = 1024  # top-p's first look (`_top_k_top_p`): topk of 1,024 of SmolLM2's 49,152 takes a fraction of a full sort
 
 
 def _top_k_top_p_params(params: list[SamplingParams], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
