@@ -105,7 +105,7 @@ def checks(workload: str, rows: list[SystemResult]) -> list[Check]:
     ours = by_system.get("ours")
     out: list[Check] = []
     reference, target = THROUGHPUT_TARGETS.get(workload, ("", math.nan))
-    for mine in (s for s in by_system if s.startswith("ours")):  # ours (default flags: the targets), ours-int4 and ours-hf
+    for mine in (s for s in by_system if s.startswith("ours")):  # ours (default flags: the targets), ours-int4 and ours-lean
         for system, row in by_system.items():
             if system.startswith("ours"):
                 continue

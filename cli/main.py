@@ -34,7 +34,7 @@ RedisClusterFlag = Annotated[bool | None, typer.Option("--redis-cluster", help="
 DataDir = Annotated[str | None, typer.Option(help="Where the embedded Redis and converted models live.")]
 Device = Annotated[str | None, typer.Option(help="auto (CUDA if present, else CPU), cpu, cuda, cuda:1...")]
 Dtype = Annotated[str | None, typer.Option(help="bfloat16 (default), float16 or float32.")]
-ModelImpl = Annotated[str | None, typer.Option(help="auto (default: lean where supported, else hf), lean (our one-forward-per-step path, Llama family) or hf (transformers' forward).")]
+ModelImpl = Annotated[str | None, typer.Option(help="hf (default: transformers' forward), lean (our one-forward-per-step path, Llama family) or auto (lean where supported).")]
 Quantization = Annotated[
     str | None,
     typer.Option(
