@@ -1,17 +1,25 @@
 """The paged KV cache: one pool of fixed-size blocks per layer, read through each sequence's block table.
 
-Layout: per layer, a keys and a values tensor of [num_blocks * block_size, kv_heads, head_dim] — row
-`block * block_size + offset` holds one token position. The pool is `torch.empty`: pages are only
-touched (and only then resident) when a block is first written, so a large default budget costs no
-memory until load needs it. Which blocks a sequence holds is decided by the torch-free
-`workers.blocks.BlockPool`; a forward only receives, per batch row, the rows it writes and reads.
+Layout: per layer, a keys and a values tensor of [num_blocks + 1, kv_heads, block_size, head_dim] —
+block-major, and head-major inside a block, so one (block, head) pair is a dense [block_size,
+head_dim] tile. A read gathers whole tiles (one index per block and head, `read_index`), and the
+gathered keys of one head of one sequence are a dense [positions, head_dim] matrix that a bmm takes
+as it is. (Row-major [rows, kv_heads, head_dim] made every read a gather of 128-byte rows that the
+matmuls then copied again into head-major order: 6 ms of a layer's 8 at 32 sequences × 800 keys.)
+
+The last block is the zeroed padding block: a read past a sequence's last block reads it, masked out.
+A sequence's own last block is read whole too, its unwritten tail masked out; every block is zeroed
+when its first position is written (`fresh_blocks`), so that tail is zeros, never the NaN bit
+patterns of untouched memory (0 × NaN would leak through the masked softmax) nor another
+sequence's keys. The pool is `torch.empty`: pages are only touched (and only then resident) when a
+block is first written, so a large default budget costs no memory until load needs it. Which blocks a
+sequence holds is decided by the torch-free `workers.blocks.BlockPool`.
 
 `PagedKVCache` plugs into any transformers decoder through the `Cache` interface (the HF path): each
-layer's `update` scatters the new keys/values into their rows, then gathers the rows of every
-sequence of the batch into the contiguous [B, kv_heads, kv_len, head_dim] views its attention wants;
-the prepared 4-D mask gives each row its own length. The lean path (`workers.llama`, one flattened
-forward per step) uses the same pools directly: it writes each token's row and gathers each
-sequence's rows itself, without `bind`/`update`.
+layer's `update` scatters the new keys/values into their rows, then gathers every sequence's blocks
+into the [B, kv_heads, kv_len, head_dim] tensors its attention wants (kv_len: whole blocks); the
+prepared 4-D mask gives each row its own length. The lean path (`workers.llama`, one flattened
+forward per step) uses the same pools and index helpers directly, without `bind`/`update`.
 """
 
 from __future__ import annotations
@@ -55,51 +63,85 @@ def default_budget_mb(device: torch.device) -> int:
     return int(psutil.virtual_memory().available * CPU_SHARE) // 2**20
 
 
+def block_tables(tables: list[list[int]], ends: list[int], *, width: int, block_size: int, pad_block: int) -> torch.Tensor:
+    """[len(tables), width] blocks of key positions 0..width * block_size - 1 by each block table (CPU);
+    the padding block past the block that holds each table's last position (`ends`: its key count)."""
+    used = [-(-end // block_size) for end in ends]
+    return torch.tensor([t[:u] + [pad_block] * (width - u) for t, u in zip(tables, used, strict=True)], dtype=torch.long)
+
+
+def write_index(rows: torch.Tensor, *, kv_heads: int, block_size: int) -> torch.Tensor:
+    """rows: [...] pool rows (block * block_size + offset) → [..., kv_heads] rows of the pool viewed as
+    [(num_blocks + 1) * kv_heads * block_size, head_dim], one per kv head."""
+    block, offset = rows.div(block_size, rounding_mode="floor"), rows.remainder(block_size)
+    heads = torch.arange(kv_heads, device=rows.device)
+    return ((block[..., None] * kv_heads + heads) * block_size + offset[..., None]).reshape(*rows.shape, kv_heads)
+
+
+def fresh_blocks(rows: torch.Tensor, *, block_size: int) -> torch.Tensor:
+    """The blocks whose first position is among `rows` [N]: written for the first time, to be zeroed first."""
+    return rows[rows.remainder(block_size) == 0].div(block_size, rounding_mode="floor")
+
+
+def read_index(tables: torch.Tensor, *, kv_heads: int, key_block: int) -> torch.Tensor:
+    """tables: [S, W] blocks of S sequences (W * block_size key positions each) → the flat index of
+    their (block, head) tiles in the pool viewed as [(num_blocks + 1) * kv_heads, block_size, head_dim],
+    ordered (key block, sequence, kv head, block): gathered, it views as [W / key_block, S, kv_heads,
+    key_block * block_size, head_dim], each key block a dense batch of matrices."""
+    s, w = tables.shape
+    per = w // key_block
+    heads = torch.arange(kv_heads, device=tables.device)
+    index = tables.view(s, per, key_block).transpose(0, 1)[:, :, None, :] * kv_heads + heads[:, None]  # [per, S, kv_heads, key_block]
+    return index.reshape(-1)
+
+
+def gather(pool: torch.Tensor, index: torch.Tensor, *, sequences: int, key_block: int) -> torch.Tensor:
+    """The tiles of `read_index` → [key blocks, S, kv_heads, key_block * block_size, head_dim]."""
+    _blocks, kv_heads, block_size, dim = pool.shape
+    tiles = pool.view(-1, block_size, dim).index_select(0, index)
+    return tiles.view(-1, sequences, kv_heads, key_block * block_size, dim)
+
+
 class PagedKVCache(Cache):
     """Block-pool KV buffers behind transformers' `Cache.update`. `bind()` says what a forward writes and reads."""
 
     def __init__(self, geometry: KVGeometry, *, num_blocks: int, block_size: int, device: torch.device) -> None:
         super().__init__(layers=[])
-        # One row past the pool: the zeroed padding row that short rows of a batch read (never garbage:
-        # an empty pool may hold NaN bit patterns, and 0 * NaN would leak through the masked softmax).
-        self.pad_row = num_blocks * block_size
-        shape = (self.pad_row + 1, geometry.kv_heads, geometry.head_dim)
+        self.pad_block = num_blocks  # the zeroed block past the pool (see the module docstring)
+        shape = (num_blocks + 1, geometry.kv_heads, block_size, geometry.head_dim)
         self.keys = [torch.empty(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.layers)]
         self.values = [torch.empty(shape, dtype=geometry.dtype, device=device) for _ in range(geometry.layers)]
         for buf in (*self.keys, *self.values):
-            buf[self.pad_row].zero_()
+            buf[self.pad_block].zero_()
         self.block_size = block_size
-        self._write = torch.zeros(0, dtype=torch.long, device=device)
+        self._write = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self._fresh = torch.zeros(0, dtype=torch.long, device=device)
         self._read = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self._read_index = torch.zeros(0, dtype=torch.long, device=device)
 
-    def rows(self, tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
-        """Pool rows of positions 0..kv_len-1 for each sequence: [B, kv_len]; positions past a row's
-        length point at the padding row (read, then masked out)."""
-        device = self.keys[0].device
-        kv_len = max(lengths)
-        width = -(-kv_len // self.block_size)
-        table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long, device=device)  # [B, width]
-        pos = torch.arange(kv_len, device=device)  # [kv_len]
-        rows = table[:, pos // self.block_size] * self.block_size + pos % self.block_size  # [B, kv_len]
-        valid = pos[None, :] < torch.tensor(lengths, device=device)[:, None]
-        return torch.where(valid, rows, self.pad_row)
+    def tables(self, tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
+        """[B, W] blocks of each sequence, W the blocks of the longest (`block_tables`)."""
+        width = -(-max(lengths) // self.block_size)
+        return block_tables(tables, lengths, width=width, block_size=self.block_size, pad_block=self.pad_block).to(self.keys[0].device)
 
     def bind(self, write: torch.Tensor, read: torch.Tensor) -> None:
-        """write: [B, T] pool rows of the tokens this forward adds; read: [B, kv_len] rows attention reads."""
-        self._write = write.reshape(-1)
+        """write: [B, T] pool rows of the tokens this forward adds; read: [B, W] blocks attention reads (`tables`)."""
+        kv_heads = self.keys[0].shape[1]
+        self._write = write_index(write, kv_heads=kv_heads, block_size=self.block_size).transpose(1, 2).reshape(-1)  # [B * kv_heads * T]
+        self._fresh = fresh_blocks(write.reshape(-1), block_size=self.block_size)
         self._read = read
+        self._read_index = read_index(read, kv_heads=kv_heads, key_block=read.shape[1])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states, value_states: [B, kv_heads, T, head_dim]
-        b, heads, _t, dim = key_states.shape
-        k_pool, v_pool = self.keys[layer_idx], self.values[layer_idx]
-        k_pool.index_copy_(0, self._write, key_states.transpose(1, 2).reshape(-1, heads, dim))  # [B*T, kv_heads, head_dim]
-        v_pool.index_copy_(0, self._write, value_states.transpose(1, 2).reshape(-1, heads, dim))
-        kv_len = self._read.shape[1]
-        flat = self._read.reshape(-1)  # [B*kv_len]
-        keys = k_pool.index_select(0, flat).view(b, kv_len, heads, dim).transpose(1, 2)  # [B, kv_heads, kv_len, head_dim]
-        values = v_pool.index_select(0, flat).view(b, kv_len, heads, dim).transpose(1, 2)
-        return keys, values
+        # key_states, value_states: [B, kv_heads, T, head_dim] → all keys/values: [B, kv_heads, W * block_size, head_dim]
+        b, dim = key_states.shape[0], key_states.shape[-1]
+        out = []
+        for pool, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
+            if self._fresh.numel():
+                pool.index_fill_(0, self._fresh, 0)
+            pool.view(-1, dim).index_copy_(0, self._write, new.reshape(-1, dim))
+            out.append(gather(pool, self._read_index, sequences=b, key_block=self._read.shape[1])[0])
+        return out[0], out[1]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self._read.shape[1])
+        return int(self._read.shape[1]) * self.block_size

@@ -9,8 +9,9 @@ reads each sequence's keys/values by its block table. Logits only for the rows t
 Attention (CPU) is one function for decode rows and prefill chunks alike, written so that a token's
 output is a function of its own query and keys only — never of its batch mates, of where the scheduler
 split its prompt into chunks, or of whether its prefix came from the cache (`_attend`; measured in
-`tests/workers/test_llama.py`). Keys are read from the paged cache by pool row and taken in fixed blocks
-of `KEY_BLOCK` absolute positions, with an online softmax across blocks in float32: the bf16 GEMMs of
+`tests/workers/test_llama.py`). Keys are gathered from the paged cache in whole (block, head) tiles
+(`kv_cache.read_index`), laid out so that each run of `KEY_BLOCK` absolute positions of one head is a
+dense matrix the bmm reads in place, with an online softmax across key blocks in float32: the bf16 GEMMs of
 oneDNN give the same row whatever the other rows and whatever zero tail follows, and a key masked out
 adds exactly nothing. torch's SDPA is not like that on CPU: its flash kernel's blocking and its tail
 `exp` depend on the query and key lengths of the call, so the same prompt prefilled in one chunk or in
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from workers.kv_cache import fresh_blocks, gather, read_index, write_index
 from workers.quant import Weight, linear
 
 FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -86,7 +88,7 @@ class Chunk:
 
     offset: int
     length: int
-    read: torch.Tensor  # [P] pool rows of key positions 0.. (P = key_span(start + length); the padding row past the end)
+    blocks: torch.Tensor  # [1, P / block_size] pool blocks of key positions 0.. (P = key_span(start + length); the padding block past the end)
     mask: torch.Tensor  # [length, P] bool, True where a query may attend (causal from position start)
 
 
@@ -96,9 +98,9 @@ class StepBatch:
 
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
-    write: torch.Tensor  # [N] pool rows the tokens' keys/values go to
+    write: torch.Tensor  # [N] pool rows (block * block_size + offset) the tokens' keys/values go to
     decode: int  # the first `decode` tokens are decode rows
-    decode_read: torch.Tensor | None  # [B, P] pool rows each decode row reads (padding row past its length)
+    decode_blocks: torch.Tensor | None  # [B, P / block_size] pool blocks each decode row reads (the padding block past its length)
     decode_mask: torch.Tensor | None  # [B, 1, 1, P] bool
     chunks: tuple[Chunk, ...]
     sample: torch.Tensor  # [R] flat indices of the tokens whose logits are sampled
@@ -201,12 +203,46 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+@dataclass(frozen=True, slots=True)
+class _Access:
+    """What every layer of one step shares: its RoPE tables and where it writes and reads (`_access`)."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, 1, head_dim] in the model's dtype
+    write: torch.Tensor  # [N * kv_heads] rows of the pool viewed as [-1, head_dim]
+    fresh: torch.Tensor  # blocks to zero before the write (their first position is written now)
+    decode: torch.Tensor | None  # decode rows' tile index (kv_cache.read_index)
+    decode_block: int  # blocks per key block of that read
+    chunks: tuple[tuple[torch.Tensor, int], ...]  # each chunk's tile index and blocks per key block
+
+
+def key_tiles(tables: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """tables: [S, P / block_size] → the tile index of their reads and the blocks per key block: KEY_BLOCK
+    positions on CPU (`_attend`), the whole span on CUDA (SDPA)."""
+    _blocks, kv_heads, block_size, _dim = pool.shape
+    key_block = tables.shape[1] if pool.device.type == "cuda" else min(tables.shape[1], KEY_BLOCK // block_size)
+    return read_index(tables, kv_heads=kv_heads, key_block=key_block), key_block
+
+
+def _access(w: LlamaWeights, batch: StepBatch, pool: torch.Tensor) -> _Access:
+    _blocks, kv_heads, block_size, _dim = pool.shape
+    decode, decode_block = key_tiles(batch.decode_blocks, pool) if batch.decode_blocks is not None else (None, 0)
+    return _Access(
+        rope=rope_tables(w, batch.positions, w.embed.dtype),
+        write=write_index(batch.write, kv_heads=kv_heads, block_size=block_size).reshape(-1),
+        fresh=fresh_blocks(batch.write, block_size=block_size),
+        decode=decode,
+        decode_block=decode_block,
+        chunks=tuple(key_tiles(c.blocks, pool) for c in batch.chunks),
+    )
+
+
 def forward(w: LlamaWeights, batch: StepBatch, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> torch.Tensor:
-    """The step's tokens through the model; returns logits [R, vocab] of `batch.sample`'s rows."""
+    """The step's tokens through the model; returns logits [R, vocab] of `batch.sample`'s rows.
+    Pools: [num_blocks + 1, kv_heads, block_size, head_dim] per layer (`workers.kv_cache`)."""
     x = w.embed[batch.input_ids]  # [N, hidden]
-    cos, sin = rope_tables(w, batch.positions, x.dtype)  # [N, 1, head_dim]
+    access = _access(w, batch, k_pools[0])
     for layer, k_pool, v_pool in zip(w.layers, k_pools, v_pools, strict=True):
-        x = x + _attention(w, layer, rms_norm(x, layer.input_norm, w.eps), batch, rope=(cos, sin), pools=(k_pool, v_pool))
+        x = x + _attention(w, layer, rms_norm(x, layer.input_norm, w.eps), batch, access, pools=(k_pool, v_pool))
         h = rms_norm(x, layer.post_norm, w.eps)
         gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)  # [N, intermediate] each
         x = x + linear(F.silu(gate) * up, layer.down)
@@ -214,9 +250,9 @@ def forward(w: LlamaWeights, batch: StepBatch, k_pools: list[torch.Tensor], v_po
     return F.linear(last, w.lm_head)  # [R, vocab]
 
 
-def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch, *, rope: tuple[torch.Tensor, torch.Tensor], pools: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    # h: [N, hidden] → [N, hidden]; rope: cos, sin [N, 1, head_dim]
-    cos, sin = rope
+def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch, access: _Access, *, pools: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    # h: [N, hidden] → [N, hidden]
+    cos, sin = access.rope
     n, d = h.shape[0], w.head_dim
     qkv = linear(h, layer.qkv, layer.qkv_bias)  # [N, (heads + 2 * kv_heads) * head_dim]
     q, k, v = qkv.split((w.heads * d, w.kv_heads * d, w.kv_heads * d), dim=-1)
@@ -224,80 +260,79 @@ def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch,
     if layer.q_norm is not None and layer.k_norm is not None:
         q, k = rms_norm(q, layer.q_norm, w.eps), rms_norm(k, layer.k_norm, w.eps)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    k_pool, v_pool = pools
-    k_pool.index_copy_(0, batch.write, k)  # [rows, kv_heads, head_dim]
-    v_pool.index_copy_(0, batch.write, v)
+    for pool, new in zip(pools, (k, v), strict=True):
+        if access.fresh.numel():
+            pool.index_fill_(0, access.fresh, 0)
+        pool.view(-1, d).index_copy_(0, access.write, new.reshape(-1, d))  # [N * kv_heads, head_dim]
     out = []
     if batch.decode:
-        out.append(_decode_attention(q[: batch.decode], k_pool, v_pool, batch))
-    for c in batch.chunks:
-        out.append(_chunk_attention(q[c.offset : c.offset + c.length], c, k_pool, v_pool))
+        assert access.decode is not None and batch.decode_mask is not None
+        keys, values = (gather(pool, access.decode, sequences=batch.decode, key_block=access.decode_block) for pool in pools)
+        out.append(_decode_attention(q[: batch.decode], keys, values, batch.decode_mask))
+    for c, (index, key_block) in zip(batch.chunks, access.chunks, strict=True):
+        keys, values = (gather(pool, index, sequences=1, key_block=key_block) for pool in pools)
+        out.append(_chunk_attention(q[c.offset : c.offset + c.length], keys, values, c.mask))
     attn = out[0] if len(out) == 1 else torch.cat(out)  # [N, heads, head_dim]
     return linear(attn.reshape(n, w.heads * d), layer.o, layer.o_bias)
 
 
-def _decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-    # q: [B, heads, head_dim] → [B, heads, head_dim]; each row over its own gathered keys (padded to the batch's span)
-    assert batch.decode_read is not None and batch.decode_mask is not None
-    b, span = batch.decode_read.shape
-    flat = batch.decode_read.reshape(-1)  # [B * P]
-    keys = k_pool.index_select(0, flat).view(b, span, *k_pool.shape[1:])  # [B, P, kv_heads, head_dim]
-    values = v_pool.index_select(0, flat).view(b, span, *v_pool.shape[1:])
-    if q.device.type == "cuda":
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=batch.decode_mask, enable_gqa=True)
-        return out[:, :, 0, :]  # [B, heads, head_dim]
-    kv_heads, dim = keys.shape[2], keys.shape[3]
+def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # q: [B, heads, head_dim], keys/values: [key blocks, B, kv_heads, key block, head_dim] (kv_cache.gather),
+    # mask: [B, 1, 1, P] → [B, heads, head_dim]; each row over its own keys (padded to the batch's span)
+    b, _heads, dim = q.shape
+    kv_heads = keys.shape[2]
     grouped = q.view(b, kv_heads, -1, dim)  # [B, kv_heads, group, head_dim]
-    out = _attend(grouped, keys.permute(0, 2, 3, 1), values.transpose(1, 2), batch.decode_mask)  # [B, kv_heads, group, head_dim]
+    if q.device.type == "cuda":
+        out = F.scaled_dot_product_attention(grouped, keys[0], values[0], attn_mask=mask)  # one key block: the span
+    else:
+        out = _attend(grouped, keys, values, mask)  # [B, kv_heads, group, head_dim]
     return out.reshape(b, -1, dim)
 
 
-def _chunk_attention(q: torch.Tensor, chunk: Chunk, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-    # q: [T, heads, head_dim] → [T, heads, head_dim]; over the chunk's gathered keys (its own already written)
-    keys = k_pool.index_select(0, chunk.read)  # [P, kv_heads, head_dim]
-    values = v_pool.index_select(0, chunk.read)
-    if q.device.type == "cuda":
-        # 4-D inputs: with 3-D ones SDPA takes its math path
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=chunk.mask, enable_gqa=True)
-        return out[0].transpose(0, 1)
+def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # q: [T, heads, head_dim], keys/values: [key blocks, 1, kv_heads, key block, head_dim] (its own already
+    # written), mask: [T, P] → [T, heads, head_dim]
     t, heads, dim = q.shape
-    kv_heads = keys.shape[1]
+    kv_heads = keys.shape[2]
     group = heads // kv_heads
     rows = q.view(t, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, t * group, dim)  # [1, kv_heads, T * group, head_dim]: row t * group + g
-    valid = chunk.mask.repeat_interleave(group, dim=0)[None, None]  # [1, 1, T * group, P]
-    out = _attend(rows, keys.permute(1, 2, 0)[None], values.transpose(0, 1)[None], valid)  # [1, kv_heads, T * group, head_dim]
+    valid = mask.repeat_interleave(group, dim=0)[None, None]  # [1, 1, T * group, P]
+    if q.device.type == "cuda":
+        out = F.scaled_dot_product_attention(rows, keys[0], values[0], attn_mask=valid)
+    else:
+        out = _attend(rows, keys, values, valid)  # [1, kv_heads, T * group, head_dim]
     return out[0].view(kv_heads, t, group, dim).permute(1, 0, 2, 3).reshape(t, heads, dim)
 
 
-def _attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Batch- and split-invariant attention on CPU (see the module docstring).
 
-    q: [S, kv_heads, R, head_dim] (R query rows per kv head), keys_t: [S, kv_heads, head_dim, P],
-    values: [S, kv_heads, P, head_dim], valid: bool, broadcastable to [S, kv_heads, R, P], with key 0
-    valid for every row → [S, kv_heads, R, head_dim]. Blocks of KEY_BLOCK keys from position 0, each:
-    scores in float32, the running max, exp, the running sum, and p @ V from bf16 p (as transformers'
-    eager attention rounds its probabilities), added in float32. A block a row cannot see leaves its
-    sums exactly as they were (exp(-inf) = 0, scale exp(0) = 1)."""
+    q: [S, kv_heads, R, head_dim] (R query rows per kv head), keys, values: [P / KB, S, kv_heads, KB,
+    head_dim] (KB = KEY_BLOCK, or P when the span P is shorter: `kv_cache.gather`), valid: bool,
+    broadcastable to [S, kv_heads, R, P], with key 0 valid for every row → [S, kv_heads, R, head_dim].
+    Per key block: scores in float32, the running max, exp, the running sum, and p @ V from bf16 p (as
+    transformers' eager attention rounds its probabilities), added in float32. A block a row cannot see
+    leaves its sums exactly as they were (exp(-inf) = 0, scale exp(0) = 1)."""
     scale = q.shape[-1] ** -0.5
-    span = keys_t.shape[-1]
+    width = keys.shape[3]
 
-    def scores_of(b0: int) -> torch.Tensor:  # [..., R, block] float32, masked
-        scores = torch.matmul(q, keys_t[..., b0 : b0 + KEY_BLOCK]).float().mul_(scale)
-        return scores.masked_fill_(~valid[..., b0 : b0 + KEY_BLOCK], float("-inf"))
+    def scores_of(j: int) -> torch.Tensor:  # [..., R, KB] float32, masked
+        scores = torch.matmul(q, keys[j].transpose(-1, -2)).float().mul_(scale)
+        return scores.masked_fill_(~valid[..., j * width : (j + 1) * width], float("-inf"))
 
-    def pv(p: torch.Tensor, b0: int) -> torch.Tensor:  # [..., R, head_dim] float32
-        return torch.matmul(p.to(q.dtype), values[..., b0 : b0 + KEY_BLOCK, :]).float()
+    def pv(p: torch.Tensor, j: int) -> torch.Tensor:  # [..., R, head_dim] float32
+        return torch.matmul(p.to(q.dtype), values[j]).float()
 
     scores = scores_of(0)
     peak = scores.amax(dim=-1, keepdim=True)  # [..., R, 1]
     p = scores.sub_(peak).exp_()
     total, out = p.sum(dim=-1, keepdim=True), pv(p, 0)
-    for b0 in range(KEY_BLOCK, span, KEY_BLOCK):
-        scores = scores_of(b0)
+    for j in range(1, keys.shape[0]):
+        scores = scores_of(j)
         new_peak = torch.maximum(peak, scores.amax(dim=-1, keepdim=True))
         rescale = (peak - new_peak).exp_()
         p = scores.sub_(new_peak).exp_()
         total = total.mul_(rescale).add_(p.sum(dim=-1, keepdim=True))
-        out = out.mul_(rescale).add_(pv(p, b0))
+        out = out.mul_(rescale).add_(pv(p, j))
         peak = new_peak
     return out.div_(total).to(q.dtype)

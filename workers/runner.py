@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from workers import llama, quant
 from workers.blocks import BLOCK_SIZE
-from workers.kv_cache import KVGeometry, PagedKVCache, default_budget_mb
+from workers.kv_cache import KVGeometry, PagedKVCache, block_tables, default_budget_mb
 from workers.sampling import SamplerRow, TokenLogprobData, breaker_ids, sample
 from workers.scheduler import PrefillChunk, Sampled, Sequence, StepPlan
 
@@ -123,7 +123,7 @@ class TorchRunner:
             rows = [*plan.decode, *(c.seq for c in plan.prefill if c.completes_prompt)]
             if not plan.decode and not plan.prefill:
                 return [], torch.empty(0)
-            batch = step_batch(plan, block_size=self.block_size, pad_row=self.cache.pad_row, device=self.device)
+            batch = step_batch(plan, block_size=self.block_size, pad_block=self.cache.pad_block, device=self.device)
             return rows, llama.forward(self.lean, batch, self.cache.keys, self.cache.values).float()
         return self._hf_forward(plan)
 
@@ -169,10 +169,11 @@ class TorchRunner:
     def _forward(self, seqs: list[Sequence], input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [B, T]; returns last-position logits [B, vocab]
         lengths = (positions[:, -1] + 1).tolist()  # keys each row attends to, its new tokens included
-        read = self.cache.rows([s.blocks for s in seqs], lengths)  # [B, kv_len]
-        key_pos = torch.arange(read.shape[1], device=self.device)  # [kv_len]
+        read = self.cache.tables([s.blocks for s in seqs], lengths)  # [B, W]
+        key_pos = torch.arange(read.shape[1] * self.block_size, device=self.device)  # [kv_len]: whole blocks
         mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, kv_len] causal per row
-        self.cache.bind(read.gather(1, positions), read)
+        write = read.gather(1, positions // self.block_size) * self.block_size + positions % self.block_size  # [B, T] pool rows
+        self.cache.bind(write, read)
         out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
 
@@ -188,7 +189,7 @@ class TorchRunner:
         return self._forward([seq], input_ids, positions)
 
 
-def step_batch(plan: StepPlan, *, block_size: int, pad_row: int, device: torch.device) -> llama.StepBatch:
+def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch.device) -> llama.StepBatch:
     """A plan flattened for `llama.forward`: decode tokens first, then each prefill chunk's tokens."""
     ids: list[int] = [s.output[-1] for s in plan.decode]
     positions: list[int] = [s.computed for s in plan.decode]
@@ -200,40 +201,30 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_row: int, device: torch.d
         positions.extend(range(c.start, c.end))
     seqs = [*plan.decode, *(c.seq for c in plan.prefill for _ in range(c.end - c.start))]
     write = [s.blocks[p // block_size] * block_size + p % block_size for s, p in zip(seqs, positions, strict=True)]
-    decode_read = decode_mask = None
+    decode_blocks = decode_mask = None
     if plan.decode:
         ends = [p + 1 for p in positions[: len(plan.decode)]]
         span = llama.key_span(max(ends))
-        decode_read = _key_rows(tables, ends, span, block_size=block_size, pad_row=pad_row).to(device, non_blocking=True)  # [B, P]
+        decode_blocks = block_tables(tables, ends, width=span // block_size, block_size=block_size, pad_block=pad_block).to(device, non_blocking=True)  # [B, P / block_size]
         valid = torch.arange(span)[None, :] < torch.tensor(ends)[:, None]  # [B, P]
         decode_mask = valid[:, None, None, :].to(device, non_blocking=True)  # [B, 1, 1, P]
     chunks = []
     for offset, c in chunk_spans:
         span = llama.key_span(c.end)
-        read = _key_rows([c.seq.blocks], [c.end], span, block_size=block_size, pad_row=pad_row)[0]  # [P]
+        blocks = block_tables([c.seq.blocks], [c.end], width=span // block_size, block_size=block_size, pad_block=pad_block)  # [1, P / block_size]
         mask = torch.arange(span)[None, :] <= torch.arange(c.start, c.end)[:, None]  # [T, P] causal from position start
-        chunks.append(llama.Chunk(offset=offset, length=c.end - c.start, read=read.to(device, non_blocking=True), mask=mask.to(device, non_blocking=True)))
+        chunks.append(llama.Chunk(offset=offset, length=c.end - c.start, blocks=blocks.to(device, non_blocking=True), mask=mask.to(device, non_blocking=True)))
     sample_at = list(range(len(plan.decode))) + [offset + c.end - c.start - 1 for offset, c in chunk_spans if c.completes_prompt]
     return llama.StepBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         write=torch.tensor(write, dtype=torch.long, device=device),
         decode=len(plan.decode),
-        decode_read=decode_read,
+        decode_blocks=decode_blocks,
         decode_mask=decode_mask,
         chunks=tuple(chunks),
         sample=torch.tensor(sample_at, dtype=torch.long, device=device),
     )
-
-
-def _key_rows(tables: list[list[int]], ends: list[int], span: int, *, block_size: int, pad_row: int) -> torch.Tensor:
-    """[len(tables), span] pool rows of key positions 0..span-1 by each block table; the zeroed padding
-    row from each table's `ends` entry on (those keys are masked out, and never stale rows)."""
-    width = -(-span // block_size)
-    table = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long)  # [n, width]
-    key_pos = torch.arange(span)  # [P]
-    rows = table[:, key_pos // block_size] * block_size + key_pos % block_size  # [n, P]
-    return torch.where(key_pos[None, :] < torch.tensor(ends)[:, None], rows, pad_row)
 
 
 def _sampled(seq: Sequence, token: int, logprob: TokenLogprobData | None) -> Sampled:

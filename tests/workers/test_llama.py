@@ -18,7 +18,9 @@ from shared.deltas import Content, Finish
 from shared.ir import Request
 from shared.settings import Settings
 from workers import llama
+from workers.blocks import BLOCK_SIZE
 from workers.engine import Engine
+from workers.kv_cache import block_tables, gather
 from workers.runner import TorchRunner
 from workers.scheduler import Sequence
 
@@ -268,34 +270,47 @@ def test_in_bf16_a_sequence_gets_the_same_logits_alone_and_among_longer_batch_ma
     assert all(torch.equal(a, b) for a, b in zip(alone, crowded, strict=True))  # (the hf path differs by ~2e-3 here)
 
 
+def _pools(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Position i's keys/values in block i // 16 of a block pool (workers.kv_cache's layout), then the
+    zeroed padding block; and the one sequence's block table."""
+    n, kv_heads, dim = k.shape
+    blocks = -(-n // BLOCK_SIZE)
+
+    def pool(x: torch.Tensor) -> torch.Tensor:
+        rows = torch.cat([x, torch.zeros(blocks * BLOCK_SIZE - n, kv_heads, dim, dtype=x.dtype)])
+        tiles = rows.view(blocks, BLOCK_SIZE, kv_heads, dim).transpose(1, 2)
+        return torch.cat([tiles, torch.zeros(1, kv_heads, BLOCK_SIZE, dim, dtype=x.dtype)]).contiguous()
+
+    return pool(k), pool(v), list(range(blocks))
+
+
+def _read(pools: tuple[torch.Tensor, torch.Tensor], table: list[int], ends: list[int], span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `llama.forward` reads for rows whose keys end at `ends`, padded to `span` keys."""
+    tables = block_tables([table] * len(ends), ends, width=span // BLOCK_SIZE, block_size=BLOCK_SIZE, pad_block=pools[0].shape[0] - 1)
+    index, key_block = llama.key_tiles(tables, pools[0])
+    keys, values = (gather(pool, index, sequences=len(ends), key_block=key_block) for pool in pools)
+    return keys, values
+
+
 def _attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, splits: list[int]) -> torch.Tensor:
     """Every position's attention output through `_chunk_attention`, the prompt cut into chunks at `splits`."""
-    n, kv_heads, dim = k.shape
-    pad_row = n
-    k_pool = torch.cat([k, torch.zeros(1, kv_heads, dim, dtype=k.dtype)])  # row i = position i, then the padding row
-    v_pool = torch.cat([v, torch.zeros(1, kv_heads, dim, dtype=v.dtype)])
+    k_pool, v_pool, table = _pools(k, v)
     out, start = [], 0
-    for end in [*splits, n]:
-        span = llama.key_span(end)
-        read = torch.where(torch.arange(span) < end, torch.arange(span), pad_row)
-        mask = torch.arange(span)[None, :] <= torch.arange(start, end)[:, None]
-        out.append(llama._chunk_attention(q[start:end], llama.Chunk(offset=0, length=end - start, read=read, mask=mask), k_pool, v_pool))
+    for end in [*splits, k.shape[0]]:
+        keys, values = _read((k_pool, v_pool), table, [end], llama.key_span(end))
+        mask = torch.arange(llama.key_span(end))[None, :] <= torch.arange(start, end)[:, None]
+        out.append(llama._chunk_attention(q[start:end], keys, values, mask))
         start = end
     return torch.cat(out)
 
 
 def _decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int], span: int) -> torch.Tensor:
     """Decode rows at `positions` of one sequence, batched with keys padded to `span` (as longer batch mates do)."""
-    n, kv_heads, dim = k.shape
-    k_pool = torch.cat([k, torch.zeros(1, kv_heads, dim, dtype=k.dtype)])
-    v_pool = torch.cat([v, torch.zeros(1, kv_heads, dim, dtype=v.dtype)])
-    ends = torch.tensor(positions)[:, None] + 1
-    read = torch.where(torch.arange(span)[None, :] < ends, torch.arange(span)[None, :], n)
-    batch = llama.StepBatch(
-        input_ids=torch.zeros(0), positions=torch.zeros(0), write=torch.zeros(0), decode=len(positions), decode_read=read,
-        decode_mask=(torch.arange(span)[None, :] < ends)[:, None, None, :], chunks=(), sample=torch.zeros(0),
-    )  # fmt: skip
-    return llama._decode_attention(q[positions], k_pool, v_pool, batch)
+    k_pool, v_pool, table = _pools(k, v)
+    ends = [p + 1 for p in positions]
+    keys, values = _read((k_pool, v_pool), table, ends, span)
+    mask = (torch.arange(span)[None, :] < torch.tensor(ends)[:, None])[:, None, None, :]
+    return llama._decode_attention(q[positions], keys, values, mask)
 
 
 def test_bf16_attention_is_the_same_per_token_however_the_prompt_is_chunked_and_whoever_decodes_beside_it() -> None:

@@ -70,6 +70,32 @@ def test_block_reuse_after_a_finish_does_not_leak_into_the_next_sequence(tiny: L
     assert after["x"] == reference
 
 
+@pytest.mark.parametrize("impl", ["lean", "hf"])
+def test_untouched_pool_memory_never_reaches_a_sequence_whose_last_block_is_read_whole(tiny: LlamaForCausalLM, impl: str) -> None:
+    # A fresh pool is torch.empty: it may hold NaN bit patterns. Reads take whole blocks, so a sequence's
+    # last block is read past its end (masked out, but 0 * NaN is NaN); each block is zeroed on its first write.
+    requests = [make_request(f"r{i}", prompt_len=5 + 7 * i, max_tokens=12, ignore_eos=True, temperature=0.0) for i in range(3)]
+
+    def tokens(poison: bool) -> dict[str, list[int]]:
+        runner = TorchRunner(tiny, max_len=128, kv_budget_mb=4, device=torch.device("cpu"), dtype=torch.float32, model_impl=impl)
+        if poison:
+            for pool in (*runner.cache.keys, *runner.cache.values):
+                pool[: runner.cache.pad_block].fill_(float("nan"))
+        engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=4, max_tokens_per_step=256))
+        for r in requests:
+            engine.add(r)
+        out: dict[str, list[int]] = {r.id: [] for r in requests}
+        while engine.has_work():
+            for e in engine.step():
+                if isinstance(e.delta, (Content, Finish)):
+                    out[e.request_id].extend(e.delta.token_ids)
+        return out
+
+    clean = tokens(poison=False)
+    assert all(len(t) == 12 for t in clean.values())
+    assert tokens(poison=True) == clean
+
+
 def test_a_request_past_its_deadline_ends_with_a_timeout_finish(tiny: LlamaForCausalLM) -> None:
     runner = TorchRunner(tiny, max_len=128, kv_budget_mb=16, device=torch.device("cpu"), dtype=torch.float32)
     now = [1000.0]
