@@ -17,8 +17,11 @@ sequence holds is decided by the torch-free `workers.blocks.BlockPool`.
 
 `PagedKVCache` plugs into any transformers decoder through the `Cache` interface (the HF path): each
 layer's `update` scatters the new keys/values into their rows, then gathers every sequence's blocks
-into the [B, kv_heads, kv_len, head_dim] tensors its attention wants (kv_len: whole blocks); the
-prepared 4-D mask gives each row its own length. The lean path (`workers.llama`, one flattened
+into the [B, kv_heads, kv_len, head_dim] tensors its attention wants, cut to kv_len = the longest
+row's keys; the prepared 4-D mask gives each row its own length. (Not whole blocks: torch's CPU SDPA
+is not row-invariant in the query count once masked padding keys are appended, so a prompt whose
+prefix was cached — fewer queries in its last chunk — got other bf16 logits than the same prompt
+computed whole, and `met replay` diverged; with the exact length it gives the same ones.) The lean path (`workers.llama`, one flattened
 forward per step) uses the same pools and index helpers directly, without `bind`/`update`.
 """
 
@@ -118,30 +121,34 @@ class PagedKVCache(Cache):
         self._fresh = torch.zeros(0, dtype=torch.long, device=device)
         self._read = torch.zeros(0, 0, dtype=torch.long, device=device)
         self._read_index = torch.zeros(0, dtype=torch.long, device=device)
+        self._kv_len = 0
 
     def tables(self, tables: list[list[int]], lengths: list[int]) -> torch.Tensor:
         """[B, W] blocks of each sequence, W the blocks of the longest (`block_tables`)."""
         width = -(-max(lengths) // self.block_size)
         return block_tables(tables, lengths, width=width, block_size=self.block_size, pad_block=self.pad_block).to(self.keys[0].device)
 
-    def bind(self, write: torch.Tensor, read: torch.Tensor) -> None:
-        """write: [B, T] pool rows of the tokens this forward adds; read: [B, W] blocks attention reads (`tables`)."""
+    def bind(self, write: torch.Tensor, read: torch.Tensor, kv_len: int) -> None:
+        """write: [B, T] pool rows of the tokens this forward adds; read: [B, W] blocks attention reads
+        (`tables`), of which the first `kv_len` positions (the longest sequence's keys) reach attention."""
         kv_heads = self.keys[0].shape[1]
         self._write = write_index(write, kv_heads=kv_heads, block_size=self.block_size).transpose(1, 2).reshape(-1)  # [B * kv_heads * T]
         self._fresh = fresh_blocks(write.reshape(-1), block_size=self.block_size)
         self._read = read
+        self._kv_len = kv_len
         self._read_index = read_index(read, kv_heads=kv_heads, key_block=read.shape[1])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        # key_states, value_states: [B, kv_heads, T, head_dim] → all keys/values: [B, kv_heads, W * block_size, head_dim]
+        # key_states, value_states: [B, kv_heads, T, head_dim] → all keys/values: [B, kv_heads, kv_len, head_dim]
         b, dim = key_states.shape[0], key_states.shape[-1]
         out = []
         for pool, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
             if self._fresh.numel():
                 pool.index_fill_(0, self._fresh, 0)
             pool.view(-1, dim).index_copy_(0, self._write, new.reshape(-1, dim))
-            out.append(gather(pool, self._read_index, sequences=b, key_block=self._read.shape[1])[0])
+            keys = gather(pool, self._read_index, sequences=b, key_block=self._read.shape[1])[0]
+            out.append(keys[:, :, : self._kv_len])
         return out[0], out[1]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self._read.shape[1]) * self.block_size
+        return self._kv_len
