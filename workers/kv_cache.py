@@ -86,23 +86,21 @@ def fresh_blocks(rows: torch.Tensor, *, block_size: int) -> torch.Tensor:
     return rows[rows.remainder(block_size) == 0].div(block_size, rounding_mode="floor")
 
 
-def read_index(tables: torch.Tensor, *, kv_heads: int, key_block: int) -> torch.Tensor:
-    """tables: [S, W] blocks of S sequences (W * block_size key positions each) → the flat index of
-    their (block, head) tiles in the pool viewed as [(num_blocks + 1) * kv_heads, block_size, head_dim],
-    ordered (key block, sequence, kv head, block): gathered, it views as [W / key_block, S, kv_heads,
-    key_block * block_size, head_dim], each key block a dense batch of matrices."""
-    s, w = tables.shape
-    per = w // key_block
+def read_index(tables: torch.Tensor, *, kv_heads: int) -> torch.Tensor:
+    """tables: [S, W] blocks of S sequences → the flat index of their (block, head) tiles in the pool
+    viewed as [(num_blocks + 1) * kv_heads, block_size, head_dim], ordered (sequence, kv head, block):
+    gathered, it views as [S, kv_heads, W * block_size, head_dim], one dense matrix per sequence and head."""
     heads = torch.arange(kv_heads, device=tables.device)
-    index = tables.view(s, per, key_block).transpose(0, 1)[:, :, None, :] * kv_heads + heads[:, None]  # [per, S, kv_heads, key_block]
-    return index.reshape(-1)
+    return (tables[:, None, :] * kv_heads + heads[:, None]).reshape(-1)  # [S * kv_heads * W]
 
 
-def gather(pool: torch.Tensor, index: torch.Tensor, *, sequences: int, key_block: int) -> torch.Tensor:
-    """The tiles of `read_index` → [key blocks, S, kv_heads, key_block * block_size, head_dim]."""
+def gather(pool: torch.Tensor, index: torch.Tensor, pieces: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """The tiles of `index` — the `read_index`es of several pieces, concatenated; `pieces`: each one's
+    (sequences, blocks) — in one gather, as each piece's [sequences, kv_heads, blocks * block_size, head_dim]."""
     _blocks, kv_heads, block_size, dim = pool.shape
     tiles = pool.view(-1, block_size, dim).index_select(0, index)
-    return tiles.view(-1, sequences, kv_heads, key_block * block_size, dim)
+    parts = tiles.split([s * kv_heads * w for s, w in pieces]) if len(pieces) > 1 else (tiles,)
+    return [part.view(s, kv_heads, w * block_size, dim) for part, (s, w) in zip(parts, pieces, strict=True)]
 
 
 class PagedKVCache(Cache):
@@ -136,7 +134,7 @@ class PagedKVCache(Cache):
         self._fresh = fresh_blocks(write.reshape(-1), block_size=self.block_size)
         self._read = read
         self._kv_len = kv_len
-        self._read_index = read_index(read, kv_heads=kv_heads, key_block=read.shape[1])
+        self._read_index = read_index(read, kv_heads=kv_heads)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         # key_states, value_states: [B, kv_heads, T, head_dim] → all keys/values: [B, kv_heads, kv_len, head_dim]
@@ -146,7 +144,7 @@ class PagedKVCache(Cache):
             if self._fresh.numel():
                 pool.index_fill_(0, self._fresh, 0)
             pool.view(-1, dim).index_copy_(0, self._write, new.reshape(-1, dim))
-            keys = gather(pool, self._read_index, sequences=b, key_block=self._read.shape[1])[0]
+            (keys,) = gather(pool, self._read_index, [(b, self._read.shape[1])])
             out.append(keys[:, :, : self._kv_len])
         return out[0], out[1]
 

@@ -13,7 +13,10 @@ split its prompt into chunks, or of whether its prefix came from the cache (`_at
 (`kv_cache.read_index`), laid out so that each run of `KEY_BLOCK` absolute positions of one head is a
 dense matrix the bmm reads in place, with an online softmax across key blocks in float32: the bf16 GEMMs of
 oneDNN give the same row whatever the other rows and whatever zero tail follows, and a key masked out
-adds exactly nothing. torch's SDPA is not like that on CPU: its flash kernel's blocking and its tail
+adds exactly nothing. Reads are ragged: decode rows come longest first (`StepBatch.decode_ends`),
+and each key block is gathered and multiplied only for the rows that reach it (`key_tiles`), the
+last block cut at a multiple of KEY_ALIGN past the longest row rather than padded to KEY_BLOCK — a
+decode step of 32 rows × ~800 keys went from 172 to 127 ms (bench/RESULTS.md, session 9). torch's SDPA is not like that on CPU: its flash kernel's blocking and its tail
 `exp` depend on the query and key lengths of the call, so the same prompt prefilled in one chunk or in
 two gave logits up to 0.7 apart, and a seeded request sampled differently depending on what else ran
 (measured: `bench/RESULTS.md`, session 7). The price is prefill attention: 5.9 vs 4.3 ms a layer for a
@@ -43,15 +46,13 @@ from workers.quant import Weight, linear
 FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})  # inv_freq fixed at load time
 KEY_BLOCK = 512  # keys per block of the online softmax, at fixed absolute positions 0, 512, 1024, ...
-KEY_ALIGN = 64  # a span of keys shorter than one block is padded to a multiple of this (16 was measured not to keep rows invariant)
+KEY_ALIGN = 64  # a key block is cut short at a multiple of this past the longest row's keys (16 was measured not to keep rows invariant)
 
 
 def key_span(length: int) -> int:
-    """How many key rows an attention over `length` keys reads (the rest are the pool's zeroed padding row,
-    masked out): a multiple of KEY_ALIGN up to one block, else of KEY_BLOCK, so every block but a short
-    first one has the same width."""
-    unit = KEY_ALIGN if length <= KEY_BLOCK else KEY_BLOCK
-    return -(-length // unit) * unit
+    """How many key positions an attention over `length` keys reads (the rest masked out): a multiple of
+    KEY_ALIGN, so every key block is KEY_BLOCK wide but the last, which is a multiple of KEY_ALIGN."""
+    return -(-length // KEY_ALIGN) * KEY_ALIGN
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,18 +89,20 @@ class Chunk:
 
     offset: int
     length: int
+    end: int  # its last position + 1: the keys its last token attends to
     blocks: torch.Tensor  # [1, P / block_size] pool blocks of key positions 0.. (P = key_span(start + length); the padding block past the end)
     mask: torch.Tensor  # [length, P] bool, True where a query may attend (causal from position start)
 
 
 @dataclass(frozen=True, slots=True)
 class StepBatch:
-    """One step, flattened: decode tokens first (one per sequence), then the prefill chunks in order."""
+    """One step, flattened: decode tokens first (one per sequence, longest first), then the prefill chunks in order."""
 
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
     write: torch.Tensor  # [N] pool rows (block * block_size + offset) the tokens' keys/values go to
     decode: int  # the first `decode` tokens are decode rows
+    decode_ends: tuple[int, ...]  # [B] the keys each decode row attends to, its own included; non-increasing
     decode_blocks: torch.Tensor | None  # [B, P / block_size] pool blocks each decode row reads (the padding block past its length)
     decode_mask: torch.Tensor | None  # [B, 1, 1, P] bool
     chunks: tuple[Chunk, ...]
@@ -204,35 +207,49 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 @dataclass(frozen=True, slots=True)
+class Reads:
+    """What one attention call gathers (`key_tiles`): the tile index, and per key block the rows that reach
+    it — the first ones, rows being longest first — and its width in blocks."""
+
+    index: torch.Tensor
+    pieces: list[tuple[int, int]]  # per key block: (rows, blocks)
+
+
+def key_tiles(tables: torch.Tensor, ends: tuple[int, ...], pool: torch.Tensor) -> Reads:
+    """tables: [S, P / block_size] of rows whose key counts `ends` are non-increasing → their reads in key
+    blocks of KEY_BLOCK positions (the last one shorter) on CPU (`_attend`), one block on CUDA (SDPA).
+    A key block holds only the rows with a key in it: a shorter row's sums would not change there anyway."""
+    _blocks, kv_heads, block_size, _dim = pool.shape
+    width = tables.shape[1]
+    per = width if pool.device.type == "cuda" else KEY_BLOCK // block_size
+    parts, pieces = [], []
+    for first in range(0, width, per):
+        rows = sum(end > first * block_size for end in ends)
+        blocks = min(per, width - first)
+        parts.append(read_index(tables[:rows, first : first + blocks], kv_heads=kv_heads))
+        pieces.append((rows, blocks))
+    return Reads(torch.cat(parts) if len(parts) > 1 else parts[0], pieces)
+
+
+@dataclass(frozen=True, slots=True)
 class _Access:
     """What every layer of one step shares: its RoPE tables and where it writes and reads (`_access`)."""
 
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, 1, head_dim] in the model's dtype
     write: torch.Tensor  # [N * kv_heads] rows of the pool viewed as [-1, head_dim]
     fresh: torch.Tensor  # blocks to zero before the write (their first position is written now)
-    decode: torch.Tensor | None  # decode rows' tile index (kv_cache.read_index)
-    decode_block: int  # blocks per key block of that read
-    chunks: tuple[tuple[torch.Tensor, int], ...]  # each chunk's tile index and blocks per key block
-
-
-def key_tiles(tables: torch.Tensor, pool: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """tables: [S, P / block_size] → the tile index of their reads and the blocks per key block: KEY_BLOCK
-    positions on CPU (`_attend`), the whole span on CUDA (SDPA)."""
-    _blocks, kv_heads, block_size, _dim = pool.shape
-    key_block = tables.shape[1] if pool.device.type == "cuda" else min(tables.shape[1], KEY_BLOCK // block_size)
-    return read_index(tables, kv_heads=kv_heads, key_block=key_block), key_block
+    decode: Reads | None
+    chunks: tuple[Reads, ...]
 
 
 def _access(w: LlamaWeights, batch: StepBatch, pool: torch.Tensor) -> _Access:
     _blocks, kv_heads, block_size, _dim = pool.shape
-    decode, decode_block = key_tiles(batch.decode_blocks, pool) if batch.decode_blocks is not None else (None, 0)
     return _Access(
         rope=rope_tables(w, batch.positions, w.embed.dtype),
         write=write_index(batch.write, kv_heads=kv_heads, block_size=block_size).reshape(-1),
         fresh=fresh_blocks(batch.write, block_size=block_size),
-        decode=decode,
-        decode_block=decode_block,
-        chunks=tuple(key_tiles(c.blocks, pool) for c in batch.chunks),
+        decode=key_tiles(batch.decode_blocks, batch.decode_ends, pool) if batch.decode_blocks is not None else None,
+        chunks=tuple(key_tiles(c.blocks, (c.end,), pool) for c in batch.chunks),
     )
 
 
@@ -267,20 +284,20 @@ def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch,
     out = []
     if batch.decode:
         assert access.decode is not None and batch.decode_mask is not None
-        keys, values = (gather(pool, access.decode, sequences=batch.decode, key_block=access.decode_block) for pool in pools)
+        keys, values = (gather(pool, access.decode.index, access.decode.pieces) for pool in pools)
         out.append(_decode_attention(q[: batch.decode], keys, values, batch.decode_mask))
-    for c, (index, key_block) in zip(batch.chunks, access.chunks, strict=True):
-        keys, values = (gather(pool, index, sequences=1, key_block=key_block) for pool in pools)
+    for c, reads in zip(batch.chunks, access.chunks, strict=True):
+        keys, values = (gather(pool, reads.index, reads.pieces) for pool in pools)
         out.append(_chunk_attention(q[c.offset : c.offset + c.length], keys, values, c.mask))
     attn = out[0] if len(out) == 1 else torch.cat(out)  # [N, heads, head_dim]
     return linear(attn.reshape(n, w.heads * d), layer.o, layer.o_bias)
 
 
-def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    # q: [B, heads, head_dim], keys/values: [key blocks, B, kv_heads, key block, head_dim] (kv_cache.gather),
-    # mask: [B, 1, 1, P] → [B, heads, head_dim]; each row over its own keys (padded to the batch's span)
+def _decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    # q: [B, heads, head_dim], keys/values: per key block [rows, kv_heads, width, head_dim] (`key_tiles`),
+    # mask: [B, 1, 1, P] → [B, heads, head_dim]; each row over its own keys
     b, _heads, dim = q.shape
-    kv_heads = keys.shape[2]
+    kv_heads = keys[0].shape[1]
     grouped = q.view(b, kv_heads, -1, dim)  # [B, kv_heads, group, head_dim]
     if q.device.type == "cuda":
         out = F.scaled_dot_product_attention(grouped, keys[0], values[0], attn_mask=mask)  # one key block: the span
@@ -289,11 +306,11 @@ def _decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return out.reshape(b, -1, dim)
 
 
-def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    # q: [T, heads, head_dim], keys/values: [key blocks, 1, kv_heads, key block, head_dim] (its own already
+def _chunk_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    # q: [T, heads, head_dim], keys/values: per key block [1, kv_heads, width, head_dim] (its own already
     # written), mask: [T, P] → [T, heads, head_dim]
     t, heads, dim = q.shape
-    kv_heads = keys.shape[2]
+    kv_heads = keys[0].shape[1]
     group = heads // kv_heads
     rows = q.view(t, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, t * group, dim)  # [1, kv_heads, T * group, head_dim]: row t * group + g
     valid = mask.repeat_interleave(group, dim=0)[None, None]  # [1, 1, T * group, P]
@@ -304,35 +321,33 @@ def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return out[0].view(kv_heads, t, group, dim).permute(1, 0, 2, 3).reshape(t, heads, dim)
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
     """Batch- and split-invariant attention on CPU (see the module docstring).
 
-    q: [S, kv_heads, R, head_dim] (R query rows per kv head), keys, values: [P / KB, S, kv_heads, KB,
-    head_dim] (KB = KEY_BLOCK, or P when the span P is shorter: `kv_cache.gather`), valid: bool,
-    broadcastable to [S, kv_heads, R, P], with key 0 valid for every row → [S, kv_heads, R, head_dim].
-    Per key block: scores in float32, the running max, exp, the running sum, and p @ V from bf16 p (as
-    transformers' eager attention rounds its probabilities), added in float32. A block a row cannot see
-    leaves its sums exactly as they were (exp(-inf) = 0, scale exp(0) = 1)."""
+    q: [S, kv_heads, R, head_dim] (R query rows per kv head); keys, values: per key block j (KEY_BLOCK
+    positions from j * KEY_BLOCK, the last one shorter) [S_j, kv_heads, width_j, head_dim], the first
+    S_j rows of q (`key_tiles`); valid: bool, broadcastable to [S, kv_heads, R, P], with key 0 valid for
+    every row → [S, kv_heads, R, head_dim]. Per key block: scores in float32, the running max, exp, the
+    running sum, and p @ V from bf16 p (as transformers' eager attention rounds its probabilities), added
+    in float32. A block a row cannot see would leave its sums exactly as they were (exp(-inf) = 0,
+    scale exp(0) = 1), so rows past S_j skip it."""
     scale = q.shape[-1] ** -0.5
-    width = keys.shape[3]
-
-    def scores_of(j: int) -> torch.Tensor:  # [..., R, KB] float32, masked
-        scores = torch.matmul(q, keys[j].transpose(-1, -2)).float().mul_(scale)
-        return scores.masked_fill_(~valid[..., j * width : (j + 1) * width], float("-inf"))
-
-    def pv(p: torch.Tensor, j: int) -> torch.Tensor:  # [..., R, head_dim] float32
-        return torch.matmul(p.to(q.dtype), values[j]).float()
-
-    scores = scores_of(0)
-    peak = scores.amax(dim=-1, keepdim=True)  # [..., R, 1]
-    p = scores.sub_(peak).exp_()
-    total, out = p.sum(dim=-1, keepdim=True), pv(p, 0)
-    for j in range(1, keys.shape[0]):
-        scores = scores_of(j)
-        new_peak = torch.maximum(peak, scores.amax(dim=-1, keepdim=True))
-        rescale = (peak - new_peak).exp_()
+    start = 0
+    peak = total = out = torch.empty(0)
+    for j, (k, v) in enumerate(zip(keys, values, strict=True)):
+        rows, width = k.shape[0], k.shape[2]
+        scores = torch.matmul(q[:rows], k.transpose(-1, -2)).float().mul_(scale)  # [S_j, kv_heads, R, width]
+        scores.masked_fill_(~valid[:rows, ..., start : start + width], float("-inf"))
+        start += width
+        if j == 0:
+            peak = scores.amax(dim=-1, keepdim=True)  # [S, kv_heads, R, 1]
+            p = scores.sub_(peak).exp_()
+            total, out = p.sum(dim=-1, keepdim=True), torch.matmul(p.to(q.dtype), v).float()
+            continue
+        new_peak = torch.maximum(peak[:rows], scores.amax(dim=-1, keepdim=True))
+        rescale = (peak[:rows] - new_peak).exp_()
         p = scores.sub_(new_peak).exp_()
-        total = total.mul_(rescale).add_(p.sum(dim=-1, keepdim=True))
-        out = out.mul_(rescale).add_(pv(p, j))
-        peak = new_peak
+        total[:rows].mul_(rescale).add_(p.sum(dim=-1, keepdim=True))
+        out[:rows].mul_(rescale).add_(torch.matmul(p.to(q.dtype), v).float())
+        peak[:rows] = new_peak
     return out.div_(total).to(q.dtype)

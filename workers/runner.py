@@ -120,10 +120,9 @@ class TorchRunner:
     def forward(self, plan: StepPlan) -> tuple[list[Sequence], torch.Tensor]:
         """The step's model work: the sequences that sample, and their logits [R, vocab] float32."""
         if self.lean is not None:
-            rows = [*plan.decode, *(c.seq for c in plan.prefill if c.completes_prompt)]
             if not plan.decode and not plan.prefill:
                 return [], torch.empty(0)
-            batch = step_batch(plan, block_size=self.block_size, pad_block=self.cache.pad_block, device=self.device)
+            batch, rows = step_batch(plan, block_size=self.block_size, pad_block=self.cache.pad_block, device=self.device)
             return rows, llama.forward(self.lean, batch, self.cache.keys, self.cache.values).float()
         return self._hf_forward(plan)
 
@@ -189,22 +188,24 @@ class TorchRunner:
         return self._forward([seq], input_ids, positions)
 
 
-def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch.device) -> llama.StepBatch:
-    """A plan flattened for `llama.forward`: decode tokens first, then each prefill chunk's tokens."""
-    ids: list[int] = [s.output[-1] for s in plan.decode]
-    positions: list[int] = [s.computed for s in plan.decode]
-    tables = [s.blocks for s in plan.decode]
+def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch.device) -> tuple[llama.StepBatch, list[Sequence]]:
+    """A plan flattened for `llama.forward`: decode tokens first, longest first, then each prefill chunk's
+    tokens; and the sequences of its sampled rows, in their order."""
+    decode = sorted(plan.decode, key=lambda s: s.computed, reverse=True)
+    ids: list[int] = [s.output[-1] for s in decode]
+    positions: list[int] = [s.computed for s in decode]
+    tables = [s.blocks for s in decode]
     chunk_spans: list[tuple[int, PrefillChunk]] = []
     for c in plan.prefill:
         chunk_spans.append((len(ids), c))
         ids.extend(c.seq.context[c.start : c.end])
         positions.extend(range(c.start, c.end))
-    seqs = [*plan.decode, *(c.seq for c in plan.prefill for _ in range(c.end - c.start))]
+    seqs = [*decode, *(c.seq for c in plan.prefill for _ in range(c.end - c.start))]
     write = [s.blocks[p // block_size] * block_size + p % block_size for s, p in zip(seqs, positions, strict=True)]
     decode_blocks = decode_mask = None
-    if plan.decode:
-        ends = [p + 1 for p in positions[: len(plan.decode)]]
-        span = llama.key_span(max(ends))
+    ends = [p + 1 for p in positions[: len(decode)]]
+    if decode:
+        span = llama.key_span(ends[0])
         decode_blocks = block_tables(tables, ends, width=span // block_size, block_size=block_size, pad_block=pad_block).to(device, non_blocking=True)  # [B, P / block_size]
         valid = torch.arange(span)[None, :] < torch.tensor(ends)[:, None]  # [B, P]
         decode_mask = valid[:, None, None, :].to(device, non_blocking=True)  # [B, 1, 1, P]
@@ -213,18 +214,20 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch
         span = llama.key_span(c.end)
         blocks = block_tables([c.seq.blocks], [c.end], width=span // block_size, block_size=block_size, pad_block=pad_block)  # [1, P / block_size]
         mask = torch.arange(span)[None, :] <= torch.arange(c.start, c.end)[:, None]  # [T, P] causal from position start
-        chunks.append(llama.Chunk(offset=offset, length=c.end - c.start, blocks=blocks.to(device, non_blocking=True), mask=mask.to(device, non_blocking=True)))
-    sample_at = list(range(len(plan.decode))) + [offset + c.end - c.start - 1 for offset, c in chunk_spans if c.completes_prompt]
-    return llama.StepBatch(
+        chunks.append(llama.Chunk(offset=offset, length=c.end - c.start, end=c.end, blocks=blocks.to(device, non_blocking=True), mask=mask.to(device, non_blocking=True)))
+    sample_at = list(range(len(decode))) + [offset + c.end - c.start - 1 for offset, c in chunk_spans if c.completes_prompt]
+    batch = llama.StepBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         write=torch.tensor(write, dtype=torch.long, device=device),
-        decode=len(plan.decode),
+        decode=len(decode),
+        decode_ends=tuple(ends),
         decode_blocks=decode_blocks,
         decode_mask=decode_mask,
         chunks=tuple(chunks),
         sample=torch.tensor(sample_at, dtype=torch.long, device=device),
     )
+    return batch, [*decode, *(c.seq for c in plan.prefill if c.completes_prompt)]
 
 
 def _sampled(seq: Sequence, token: int, logprob: TokenLogprobData | None) -> Sampled:

@@ -284,11 +284,11 @@ def _pools(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return pool(k), pool(v), list(range(blocks))
 
 
-def _read(pools: tuple[torch.Tensor, torch.Tensor], table: list[int], ends: list[int], span: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What `llama.forward` reads for rows whose keys end at `ends`, padded to `span` keys."""
+def _read(pools: tuple[torch.Tensor, torch.Tensor], table: list[int], ends: list[int], span: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """What `llama.forward` reads for rows whose keys end at `ends` (longest first), padded to `span` keys."""
     tables = block_tables([table] * len(ends), ends, width=span // BLOCK_SIZE, block_size=BLOCK_SIZE, pad_block=pools[0].shape[0] - 1)
-    index, key_block = llama.key_tiles(tables, pools[0])
-    keys, values = (gather(pool, index, sequences=len(ends), key_block=key_block) for pool in pools)
+    reads = llama.key_tiles(tables, tuple(ends), pools[0])
+    keys, values = (gather(pool, reads.index, reads.pieces) for pool in pools)
     return keys, values
 
 
@@ -307,10 +307,12 @@ def _attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, splits: l
 def _decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int], span: int) -> torch.Tensor:
     """Decode rows at `positions` of one sequence, batched with keys padded to `span` (as longer batch mates do)."""
     k_pool, v_pool, table = _pools(k, v)
-    ends = [p + 1 for p in positions]
+    longest_first = sorted(positions, reverse=True)  # as the runner orders decode rows
+    ends = [p + 1 for p in longest_first]
     keys, values = _read((k_pool, v_pool), table, ends, span)
     mask = (torch.arange(span)[None, :] < torch.tensor(ends)[:, None])[:, None, None, :]
-    return llama._decode_attention(q[positions], keys, values, mask)
+    rows = llama._decode_attention(q[longest_first], keys, values, mask)
+    return rows[[longest_first.index(p) for p in positions]]
 
 
 def test_bf16_attention_is_the_same_per_token_however_the_prompt_is_chunked_and_whoever_decodes_beside_it() -> None:
