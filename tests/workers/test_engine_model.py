@@ -17,6 +17,7 @@ from shared.ir import Message, Protocol, Request, Role, SamplingParams, TextPart
 from shared.settings import Settings
 from workers.engine import Engine
 from workers.runner import TorchRunner, load_model
+from workers.scheduler import Sequence, StepPlan
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]  # slow on a loaded 2-core machine
 
@@ -122,3 +123,38 @@ def test_prefix_cache_reuse_gives_the_exact_greedy_output_of_a_full_prefill(part
     assert cached["s0"] == 0 and cached["s1"] >= 96 and cached["s2"] >= 96
     for r in requests:
         assert tokens[r.id] == greedy_alone(model, list(r.prompt_token_ids), 12), r.id
+
+
+@pytest.mark.parametrize("impl", ["hf", "lean"])
+def test_a_cached_prefix_gives_the_bf16_logits_of_the_same_prompt_computed_whole(impl: str) -> None:
+    """What `met replay` and n seeded choices rely on, in the dtype the server runs: a prompt whose
+    prefix blocks come from the cache (its last chunk shorter) gets, bit for bit, the logits it got
+    when only the shared template prefix was cached. Whole-block key reads on the hf path broke this."""
+    settings = Settings.from_env(os.environ)
+    name, folder = local_folder(settings.model, settings.model_cache)
+    renderer = PromptRenderer.load(folder, name=name, max_model_len=512)
+    model = load_model(folder, device=torch.device("cpu"), dtype=torch.bfloat16)
+    runner = TorchRunner(model, max_len=512, kv_budget_mb=64, device=torch.device("cpu"), dtype=torch.bfloat16, model_impl=impl)
+    logits: dict[str, list[torch.Tensor]] = {}
+    forward = runner.forward
+
+    def recording(plan: StepPlan) -> tuple[list[Sequence], torch.Tensor]:
+        rows, out = forward(plan)
+        for seq, row in zip(rows, out, strict=True):
+            logits.setdefault(seq.request.id, []).append(row.clone())
+        return rows, out
+
+    runner.forward = recording  # type: ignore[method-assign]
+    engine = Engine(runner, renderer.tokenizer, renderer.info, settings=Settings(max_running=4, max_tokens_per_step=512))
+    cached: dict[str, int] = {}
+    for rid, text in (("other", "Name a colour."), ("first", "Say hello in French."), ("again", "Say hello in French.")):
+        req = Request(id=rid, protocol=Protocol.OPENAI_CHAT, model="m", messages=(Message(role=Role.USER, content=(TextPart(text=text),)),), sampling=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+        engine.add(replace(req, prompt_token_ids=tuple(renderer.render(req))))
+        while engine.has_work():
+            for e in engine.step():
+                if isinstance(e.delta, Finish):
+                    cached[e.request_id] = e.delta.usage.cached_tokens
+    assert 0 < cached["first"] < cached["again"]  # the template prefix, then the whole prompt's full blocks
+    assert len(logits["first"]) == len(logits["again"]) == 16
+    for step, (a, b) in enumerate(zip(logits["first"], logits["again"], strict=True)):
+        assert torch.equal(a, b), (step, float((a - b).abs().max()))
