@@ -57,3 +57,25 @@ async def test_a_large_count_is_counted_in_a_child_process_exactly_as_the_prompt
     assert await lanes.count(LARGE_BODY_BYTES + 1, request) == len(renderer.render(request)) == await lanes.count(100, request)
     assert lanes._counting is not None  # the large one went to the child process pool
     lanes.close()
+
+
+class NicenessRenderer:
+    """Renders any request as one token per step of the rendering process's niceness (picklable)."""
+
+    def render(self, request: object) -> list[int]:
+        import os
+
+        return [0] * os.nice(0)
+
+
+async def test_a_large_count_runs_at_a_lower_cpu_priority_than_the_api_node() -> None:
+    import os
+
+    from ingest.anthropic_messages import parse_count_tokens
+    from ingest.tokenizing import COUNT_NICE
+
+    request = parse_count_tokens({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, request_id="n", created=1.0)
+    lanes = Tokenizing(Settings(), NicenessRenderer())
+    assert await lanes.count(LARGE_BODY_BYTES + 1, request) == min(19, os.nice(0) + COUNT_NICE)  # in the child
+    assert await lanes.count(100, request) == os.nice(0)  # a small one: here, as it was
+    lanes.close()
