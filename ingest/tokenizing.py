@@ -15,9 +15,9 @@ Hence:
   the OS when it exits. Generations keep the thread lane: they need the ids, and a prompt over 1 MiB is
   past the context of most models anyway (refused after rendering). The child is spawned, and the
   renderer sent with each task, off the event loop (see `_count`). The child runs at a lower CPU
-  priority (`COUNT_NICE`): on 2 cores its tokenizer threads otherwise take CPU from the API's event loop
-  and the model worker, and a running stream's largest gap between events reached 1.2 s while four
-  30 MiB counts ran (CI, tests/e2e/test_abuse.py); a count is a bulk job, a stream is interactive.
+  priority (`COUNT_NICE`): a count is a bulk job, and streams and the worker come first on the cores.
+  It did not measurably shorten the largest gap of a stream running beside four 30 MiB counts in CI
+  (tests/e2e/test_abuse.py: 1.20 s without, 1.77 s with it, one 2-core run each).
 Past `tokenize_queue` large jobs waiting or running, another is refused at once (429, Anthropic 529)
 instead of queueing without bound. A job whose client left still runs to its end.
 Must not: know protocols or routes.
