@@ -9,7 +9,10 @@ reads each sequence's keys/values by its block table. Logits only for the rows t
 Attention (CPU) is one function for decode rows and prefill chunks alike, written so that a token's
 output is a function of its own query and keys only — never of its batch mates, of where the scheduler
 split its prompt into chunks, or of whether its prefix came from the cache (`_attend`; measured in
-`tests/workers/test_llama.py`). Keys are gathered from the paged cache in whole (block, head) tiles
+`tests/workers/test_llama.py`). That is attention's promise, not the whole forward's: the real model's
+linear layers in bf16 can give a row other values when the step has another number of rows, so a
+request decoded beside others may get other logits than alone (measured, session 9); chunking and
+prefix reuse do not change them. Keys are gathered from the paged cache in whole (block, head) tiles
 (`kv_cache.read_index`), laid out so that each run of `KEY_BLOCK` absolute positions of one head is a
 dense matrix the bmm reads in place, with an online softmax across key blocks in float32: the bf16 GEMMs of
 oneDNN give the same row whatever the other rows and whatever zero tail follows, and a key masked out
