@@ -21,8 +21,8 @@ into the [B, kv_heads, kv_len, head_dim] tensors its attention wants, cut to kv_
 row's keys; the prepared 4-D mask gives each row its own length. (Not whole blocks: torch's CPU SDPA
 is not row-invariant in the query count once masked padding keys are appended, so a prompt whose
 prefix was cached — fewer queries in its last chunk — got other bf16 logits than the same prompt
-computed whole, and `met replay` diverged; with the exact length it gives the same ones.) The lean path (`workers.llama`, one flattened
-forward per step) uses the same pools and index helpers directly, without `bind`/`update`.
+computed whole, and `met replay` diverged; with the exact length it gives the same ones.) The lean
+path (`workers.llama`, one flattened forward per step) uses the same pools and index helpers directly, without `bind`/`update`.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ dense matrix the bmm reads in place, with an online softmax across key blocks in
 oneDNN give the same row whatever the other rows and whatever zero tail follows, and a key masked out
 adds exactly nothing. Reads are ragged: decode rows come longest first (`StepBatch.decode_ends`),
 and each key block is gathered and multiplied only for the rows that reach it (`key_tiles`), the
-last block cut at a multiple of KEY_ALIGN past the longest row rather than padded to KEY_BLOCK — a
-decode step of 32 rows × ~800 keys went from 172 to 127 ms (bench/RESULTS.md, session 9). torch's SDPA is not like that on CPU: its flash kernel's blocking and its tail
+last block cut at a multiple of KEY_ALIGN past the longest row rather than padded to KEY_BLOCK (its
+gain is not shown by a clean measurement yet: bench/RESULTS.md, session 9). torch's SDPA is not like
+that on CPU: its flash kernel's blocking and its tail
 `exp` depend on the query and key lengths of the call, so the same prompt prefilled in one chunk or in
 two gave logits up to 0.7 apart, and a seeded request sampled differently depending on what else ran
 (measured: `bench/RESULTS.md`, session 7). The price is prefill attention: 5.9 vs 4.3 ms a layer for a

@@ -169,10 +169,11 @@ class TorchRunner:
         # input_ids, positions: [B, T]; returns last-position logits [B, vocab]
         lengths = (positions[:, -1] + 1).tolist()  # keys each row attends to, its new tokens included
         read = self.cache.tables([s.blocks for s in seqs], lengths)  # [B, W]
-        key_pos = torch.arange(max(lengths), device=self.device)  # [kv_len]: exactly the longest row's keys (see kv_cache)
+        kv_len = max(lengths)
+        key_pos = torch.arange(kv_len, device=self.device)  # [kv_len]: exactly the longest row's keys (see kv_cache)
         mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, kv_len] causal per row
         write = read.gather(1, positions // self.block_size) * self.block_size + positions % self.block_size  # [B, T] pool rows
-        self.cache.bind(write, read, max(lengths))
+        self.cache.bind(write, read, kv_len)
         out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
 
