@@ -38,6 +38,7 @@ the generic HF path (other architectures, sliding windows, dynamic/longrope RoPE
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,26 +214,34 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 @dataclass(frozen=True, slots=True)
 class Reads:
     """What one attention call gathers (`key_tiles`): the tile index, and per key block the rows that reach
-    it — the first ones, rows being longest first — and its width in blocks."""
+    it — the first ones, rows being longest first — its width in blocks, and which scores `_attend` must
+    hide there (None where every query sees every key: masking would change nothing)."""
 
     index: torch.Tensor
     pieces: list[tuple[int, int]]  # per key block: (rows, blocks)
+    hidden: tuple[torch.Tensor | None, ...]  # per key block on CPU: bool [rows, ..., width], True where a query must not look
 
 
-def key_tiles(tables: torch.Tensor, ends: tuple[int, ...], pool: torch.Tensor) -> Reads:
-    """tables: [S, P / block_size] of rows whose key counts `ends` are non-increasing → their reads in key
-    blocks of KEY_BLOCK positions (the last one shorter) on CPU (`_attend`), one block on CUDA (SDPA).
-    A key block holds only the rows with a key in it: a shorter row's sums would not change there anyway."""
+def key_tiles(tables: torch.Tensor, ends: tuple[int, ...], pool: torch.Tensor, valid: torch.Tensor) -> Reads:
+    """tables: [S, P / block_size] of rows whose key counts `ends` are non-increasing, and what their
+    queries may see, valid: bool [S, ..., P] laid out as `_attend`'s scores → their reads in key blocks of
+    KEY_BLOCK positions (the last one shorter) on CPU (`_attend`), one block on CUDA (SDPA, which takes
+    the step's mask as it is). A key block holds only the rows with a key in it: a shorter row's sums
+    would not change there anyway. Built once a step: no layer inverts, repeats or checks a mask."""
     _blocks, kv_heads, block_size, _dim = pool.shape
     width = tables.shape[1]
-    per = width if pool.device.type == "cuda" else KEY_BLOCK // block_size
-    parts, pieces = [], []
+    cuda = pool.device.type == "cuda"
+    per = width if cuda else KEY_BLOCK // block_size
+    parts, pieces, hidden = [], [], []
     for first in range(0, width, per):
         rows = sum(end > first * block_size for end in ends)
         blocks = min(per, width - first)
         parts.append(read_index(tables[:rows, first : first + blocks], kv_heads=kv_heads))
         pieces.append((rows, blocks))
-    return Reads(torch.cat(parts) if len(parts) > 1 else parts[0], pieces)
+        if not cuda:
+            block = valid[:rows, ..., first * block_size : (first + blocks) * block_size]
+            hidden.append(None if bool(block.all()) else ~block)
+    return Reads(torch.cat(parts) if len(parts) > 1 else parts[0], pieces, tuple(hidden))
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,12 +257,13 @@ class _Access:
 
 def _access(w: LlamaWeights, batch: StepBatch, pool: torch.Tensor) -> _Access:
     _blocks, kv_heads, block_size, _dim = pool.shape
+    group = w.heads // w.kv_heads  # a chunk's scores have a row per (token, query head of a kv head): `_chunk_attention`
     return _Access(
         rope=rope_tables(w, batch.positions, w.embed.dtype),
         write=write_index(batch.write, kv_heads=kv_heads, block_size=block_size).reshape(-1),
         fresh=fresh_blocks(batch.write, block_size=block_size),
-        decode=key_tiles(batch.decode_blocks, batch.decode_ends, pool) if batch.decode_blocks is not None else None,
-        chunks=tuple(key_tiles(c.blocks, (c.end,), pool) for c in batch.chunks),
+        decode=key_tiles(batch.decode_blocks, batch.decode_ends, pool, batch.decode_mask) if batch.decode_blocks is not None and batch.decode_mask is not None else None,
+        chunks=tuple(key_tiles(c.blocks, (c.end,), pool, c.mask.repeat_interleave(group, dim=0)[None, None]) for c in batch.chunks),
     )
 
 
@@ -289,15 +299,17 @@ def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch,
     if batch.decode:
         assert access.decode is not None and batch.decode_mask is not None
         keys, values = (gather(pool, access.decode.index, access.decode.pieces) for pool in pools)
-        out.append(_decode_attention(q[: batch.decode], keys, values, batch.decode_mask))
+        out.append(_decode_attention(q[: batch.decode], keys, values, batch.decode_mask, hidden=access.decode.hidden))
     for c, reads in zip(batch.chunks, access.chunks, strict=True):
         keys, values = (gather(pool, reads.index, reads.pieces) for pool in pools)
-        out.append(_chunk_attention(q[c.offset : c.offset + c.length], keys, values, c.mask))
+        out.append(_chunk_attention(q[c.offset : c.offset + c.length], keys, values, c.mask, hidden=reads.hidden))
     attn = out[0] if len(out) == 1 else torch.cat(out)  # [N, heads, head_dim]
     return linear(attn.reshape(n, w.heads * d), layer.o, layer.o_bias)
 
 
-def _decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+def _decode_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, *, hidden: tuple[torch.Tensor | None, ...]
+) -> torch.Tensor:
     # q: [B, heads, head_dim], keys/values: per key block [rows, kv_heads, width, head_dim] (`key_tiles`),
     # mask: [B, 1, 1, P] → [B, heads, head_dim]; each row over its own keys
     b, _heads, dim = q.shape
@@ -306,43 +318,55 @@ def _decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[to
     if q.device.type == "cuda":
         out = F.scaled_dot_product_attention(grouped, keys[0], values[0], attn_mask=mask)  # one key block: the span
     else:
-        out = _attend(grouped, keys, values, mask)  # [B, kv_heads, group, head_dim]
+        out = _attend(grouped, keys, values, hidden)  # [B, kv_heads, group, head_dim]
     return out.reshape(b, -1, dim)
 
 
-def _chunk_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+def _chunk_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor, *, hidden: tuple[torch.Tensor | None, ...]
+) -> torch.Tensor:
     # q: [T, heads, head_dim], keys/values: per key block [1, kv_heads, width, head_dim] (its own already
-    # written), mask: [T, P] → [T, heads, head_dim]
+    # written), mask: [T, P] (SDPA), hidden: per key block (`Reads`, `_attend`) → [T, heads, head_dim]
     t, heads, dim = q.shape
     kv_heads = keys[0].shape[1]
     group = heads // kv_heads
     rows = q.view(t, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(1, kv_heads, t * group, dim)  # [1, kv_heads, T * group, head_dim]: row t * group + g
-    valid = mask.repeat_interleave(group, dim=0)[None, None]  # [1, 1, T * group, P]
     if q.device.type == "cuda":
+        valid = mask.repeat_interleave(group, dim=0)[None, None]  # [1, 1, T * group, P]
         out = F.scaled_dot_product_attention(rows, keys[0], values[0], attn_mask=valid)
     else:
-        out = _attend(rows, keys, values, valid)  # [1, kv_heads, T * group, head_dim]
+        out = _attend(rows, keys, values, hidden)  # [1, kv_heads, T * group, head_dim]
     return out[0].view(kv_heads, t, group, dim).permute(1, 0, 2, 3).reshape(t, heads, dim)
 
 
-def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
+def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], hidden: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
     """Batch- and split-invariant attention on CPU (see the module docstring).
 
     q: [S, kv_heads, R, head_dim] (R query rows per kv head); keys, values: per key block j (KEY_BLOCK
     positions from j * KEY_BLOCK, the last one shorter) [S_j, kv_heads, width_j, head_dim], the first
-    S_j rows of q (`key_tiles`); valid: bool, broadcastable to [S, kv_heads, R, P], with key 0 valid for
-    every row → [S, kv_heads, R, head_dim]. Per key block: scores in float32, the running max, exp, the
+    S_j rows of q (`key_tiles`); hidden: per key block, bool broadcastable to [S_j, kv_heads, R, width_j],
+    True where a query must not look (key 0 is seen by every row), or None where every row sees every
+    key → [S, kv_heads, R, head_dim]. Per key block: scores in float32, the running max, exp, the
     running sum, and p @ V from bf16 p (as transformers' eager attention rounds its probabilities), added
-    in float32. A block a row cannot see would leave its sums exactly as they were (exp(-inf) = 0,
-    scale exp(0) = 1), so rows past S_j skip it."""
+    in float32. A block a row cannot see would leave its sums exactly as they were (exp(-inf) = 0, scale
+    exp(0) = 1), so rows past S_j skip it.
+
+    Passes over the [S_j, kv_heads, R, width] scores are what a long prefill pays for (bench/attention.py),
+    so none is spent that changes no bit: a power-of-two scale (head_dim 64, 256) goes into q before
+    the matmul, which scales every product and sum exactly; a block every row sees whole is not masked;
+    p @ V is added to the float32 sums as it comes (bf16 → float32 is exact)."""
     scale = q.shape[-1] ** -0.5
-    start = 0
+    exact = math.frexp(scale)[0] == 0.5
+    if exact:
+        q = q * scale
     peak = total = out = torch.empty(0)
-    for j, (k, v) in enumerate(zip(keys, values, strict=True)):
-        rows, width = k.shape[0], k.shape[2]
-        scores = torch.matmul(q[:rows], k.transpose(-1, -2)).float().mul_(scale)  # [S_j, kv_heads, R, width]
-        scores.masked_fill_(~valid[:rows, ..., start : start + width], float("-inf"))
-        start += width
+    for j, (k, v, out_of_sight) in enumerate(zip(keys, values, hidden, strict=True)):
+        rows = k.shape[0]
+        scores = torch.matmul(q[:rows], k.transpose(-1, -2)).float()  # [S_j, kv_heads, R, width]
+        if not exact:
+            scores.mul_(scale)
+        if out_of_sight is not None:
+            scores.masked_fill_(out_of_sight, float("-inf"))
         if j == 0:
             peak = scores.amax(dim=-1, keepdim=True)  # [S, kv_heads, R, 1]
             p = scores.sub_(peak).exp_()
@@ -352,6 +376,6 @@ def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor
         rescale = (peak[:rows] - new_peak).exp_()
         p = scores.sub_(new_peak).exp_()
         total[:rows].mul_(rescale).add_(p.sum(dim=-1, keepdim=True))
-        out[:rows].mul_(rescale).add_(torch.matmul(p.to(q.dtype), v).float())
+        out[:rows].mul_(rescale).add_(torch.matmul(p.to(q.dtype), v))
         peak[:rows] = new_peak
     return out.div_(total).to(q.dtype)

@@ -284,12 +284,16 @@ def _pools(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return pool(k), pool(v), list(range(blocks))
 
 
-def _read(pools: tuple[torch.Tensor, torch.Tensor], table: list[int], ends: list[int], span: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """What `llama.forward` reads for rows whose keys end at `ends` (longest first), padded to `span` keys."""
+def _read(
+    pools: tuple[torch.Tensor, torch.Tensor], table: list[int], ends: list[int], valid: torch.Tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[torch.Tensor | None, ...]]:
+    """What `llama.forward` reads for rows whose keys end at `ends` (longest first), padded to the span of
+    `valid` ([rows, ..., span] bool, laid out as `_attend`'s scores), and what `_attend` hides per key block."""
+    span = valid.shape[-1]
     tables = block_tables([table] * len(ends), ends, width=span // BLOCK_SIZE, block_size=BLOCK_SIZE, pad_block=pools[0].shape[0] - 1)
-    reads = llama.key_tiles(tables, tuple(ends), pools[0])
+    reads = llama.key_tiles(tables, tuple(ends), pools[0], valid)
     keys, values = (gather(pool, reads.index, reads.pieces) for pool in pools)
-    return keys, values
+    return keys, values, reads.hidden
 
 
 def _attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, splits: list[int]) -> torch.Tensor:
@@ -297,9 +301,10 @@ def _attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, splits: l
     k_pool, v_pool, table = _pools(k, v)
     out, start = [], 0
     for end in [*splits, k.shape[0]]:
-        keys, values = _read((k_pool, v_pool), table, [end], llama.key_span(end))
         mask = torch.arange(llama.key_span(end))[None, :] <= torch.arange(start, end)[:, None]
-        out.append(llama._chunk_attention(q[start:end], keys, values, mask))
+        group = q.shape[1] // k.shape[1]
+        keys, values, hidden = _read((k_pool, v_pool), table, [end], mask.repeat_interleave(group, dim=0)[None, None])
+        out.append(llama._chunk_attention(q[start:end], keys, values, mask, hidden=hidden))
         start = end
     return torch.cat(out)
 
@@ -309,9 +314,9 @@ def _decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: l
     k_pool, v_pool, table = _pools(k, v)
     longest_first = sorted(positions, reverse=True)  # as the runner orders decode rows
     ends = [p + 1 for p in longest_first]
-    keys, values = _read((k_pool, v_pool), table, ends, span)
     mask = (torch.arange(span)[None, :] < torch.tensor(ends)[:, None])[:, None, None, :]
-    rows = llama._decode_attention(q[longest_first], keys, values, mask)
+    keys, values, hidden = _read((k_pool, v_pool), table, ends, mask)
+    rows = llama._decode_attention(q[longest_first], keys, values, mask, hidden=hidden)
     return rows[[longest_first.index(p) for p in positions]]
 
 
