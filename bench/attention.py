@@ -40,6 +40,11 @@ def _blocks(x: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
     return [x[: rows[j], :, start : start + llama.KEY_BLOCK].contiguous() for j, start in enumerate(range(0, x.shape[2], llama.KEY_BLOCK))]
 
 
+def _hidden(valid: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """What `llama.key_tiles` hides per key block of a mask laid out as the scores."""
+    return tuple(None if bool(b.all()) else ~b for b in valid.split(llama.KEY_BLOCK, dim=-1))
+
+
 def _time(fn: object, repeats: int) -> float:
     assert callable(fn)
     fn()
@@ -59,24 +64,20 @@ def case(kind: str, queries: int, keys: int, *, geometry: tuple[int, int, int], 
     span = llama.key_span(keys)
     seqs = 1 if kind == "prefill" else queries
     k, v = (torch.randn(seqs, kv_heads, span, dim, generator=gen).bfloat16() for _ in range(2))
-    positions = torch.arange(keys - queries, keys) if kind == "prefill" else torch.full((queries,), keys - 1)
+    q = torch.randn(queries, heads, dim, generator=gen).bfloat16()
+    rows = [seqs] * len(range(0, span, llama.KEY_BLOCK))
+    blocks = (_blocks(k, rows), _blocks(v, rows))
     if kind == "prefill":
-        q = torch.randn(queries, heads, dim, generator=gen).bfloat16()
-        mask = torch.arange(span)[None, :] <= positions[:, None]  # [T, P]
-        blocks = (_blocks(k, [1] * len(range(0, span, llama.KEY_BLOCK))), _blocks(v, [1] * len(range(0, span, llama.KEY_BLOCK))))
-        valid = mask.repeat_interleave(heads // kv_heads, dim=0)[None, None]  # laid out as the scores (llama._access)
-        hidden = tuple(None if bool(b.all()) else ~b for b in valid.split(llama.KEY_BLOCK, dim=-1))
+        mask = torch.arange(span)[None, :] <= torch.arange(keys - queries, keys)[:, None]  # [T, P]
+        hidden = _hidden(mask.repeat_interleave(heads // kv_heads, dim=0)[None, None])  # laid out as the scores
 
         def ours() -> None:
             llama._chunk_attention(q, *blocks, mask, hidden=hidden)
 
         sdpa_q, sdpa_k, sdpa_v, sdpa_mask = q.transpose(0, 1)[None], k, v, mask[None, None]
     else:
-        q = torch.randn(queries, heads, dim, generator=gen).bfloat16()
         mask = (torch.arange(span)[None, :] < keys)[:, None, None, :].expand(queries, 1, 1, span)  # [B, 1, 1, P]
-        rows = [queries] * len(range(0, span, llama.KEY_BLOCK))
-        blocks = (_blocks(k, rows), _blocks(v, rows))
-        hidden = tuple(None if bool(b.all()) else ~b for b in mask.split(llama.KEY_BLOCK, dim=-1))
+        hidden = _hidden(mask)
 
         def ours() -> None:
             llama._decode_attention(q, *blocks, mask, hidden=hidden)

@@ -222,9 +222,10 @@ class Reads:
     hidden: tuple[torch.Tensor | None, ...]  # per key block on CPU: bool [rows, ..., width], True where a query must not look
 
 
-def key_tiles(tables: torch.Tensor, ends: tuple[int, ...], pool: torch.Tensor, valid: torch.Tensor) -> Reads:
+def key_tiles(tables: torch.Tensor, ends: tuple[int, ...], pool: torch.Tensor, valid: torch.Tensor, *, group: int = 1) -> Reads:
     """tables: [S, P / block_size] of rows whose key counts `ends` are non-increasing, and what their
-    queries may see, valid: bool [S, ..., P] laid out as `_attend`'s scores → their reads in key blocks of
+    queries may see, valid: bool [S, ..., rows, P] laid out as `_attend`'s scores but for each query row
+    standing for `group` of them (a chunk's tokens: `_chunk_attention`) → their reads in key blocks of
     KEY_BLOCK positions (the last one shorter) on CPU (`_attend`), one block on CUDA (SDPA, which takes
     the step's mask as it is). A key block holds only the rows with a key in it: a shorter row's sums
     would not change there anyway. Built once a step: no layer inverts, repeats or checks a mask."""
@@ -240,7 +241,7 @@ def key_tiles(tables: torch.Tensor, ends: tuple[int, ...], pool: torch.Tensor, v
         pieces.append((rows, blocks))
         if not cuda:
             block = valid[:rows, ..., first * block_size : (first + blocks) * block_size]
-            hidden.append(None if bool(block.all()) else ~block)
+            hidden.append(None if bool(block.all()) else ~block.repeat_interleave(group, dim=-2))
     return Reads(torch.cat(parts) if len(parts) > 1 else parts[0], pieces, tuple(hidden))
 
 
@@ -257,13 +258,13 @@ class _Access:
 
 def _access(w: LlamaWeights, batch: StepBatch, pool: torch.Tensor) -> _Access:
     _blocks, kv_heads, block_size, _dim = pool.shape
-    group = w.heads // w.kv_heads  # a chunk's scores have a row per (token, query head of a kv head): `_chunk_attention`
     return _Access(
         rope=rope_tables(w, batch.positions, w.embed.dtype),
         write=write_index(batch.write, kv_heads=kv_heads, block_size=block_size).reshape(-1),
         fresh=fresh_blocks(batch.write, block_size=block_size),
         decode=key_tiles(batch.decode_blocks, batch.decode_ends, pool, batch.decode_mask) if batch.decode_blocks is not None and batch.decode_mask is not None else None,
-        chunks=tuple(key_tiles(c.blocks, (c.end,), pool, c.mask.repeat_interleave(group, dim=0)[None, None]) for c in batch.chunks),
+        # a chunk's scores have a row per (token, query head of its kv head): `_chunk_attention`
+        chunks=tuple(key_tiles(c.blocks, (c.end,), pool, c.mask[None, None], group=w.heads // w.kv_heads) for c in batch.chunks),
     )
 
 
