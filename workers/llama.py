@@ -38,6 +38,7 @@ the generic HF path (other architectures, sliding windows, dynamic/longrope RoPE
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,7 @@ from workers.quant import Weight, linear
 FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})  # inv_freq fixed at load time
 KEY_BLOCK = 512  # keys per block of the online softmax, at fixed absolute positions 0, 512, 1024, ...
+FEW_ROWS = 4  # float32 p @ V is computed for at least this many query rows (`_weigh`)
 KEY_ALIGN = 64  # a key block is cut short at a multiple of this past the longest row's keys (16 was measured not to keep rows invariant)
 
 
@@ -340,14 +342,41 @@ def _chunk_attention(
     return out[0].view(kv_heads, t, group, dim).permute(1, 0, 2, 3).reshape(t, heads, dim)
 
 
-def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], hidden: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+def hf_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface (`AttentionInterface`, registered as "metrale" by the runner for
+    the hf path on CPU): `_attend` behind any model's own forward, so the hf path too gives a token the
+    same attention output whether its prompt came whole, in other chunks or after cached blocks, and
+    beside whichever batch mates (torch's CPU SDPA does not: bench/RESULTS.md, sessions 7 and 10).
+    query: [B, heads, T, head_dim], key/value: [B, kv_heads, S, head_dim], attention_mask: bool
+    [B, 1, T, S] (the runner's, True where a query may look) → [B, T, heads, head_dim]. What `_attend` does
+    not do (float or missing masks, a row that cannot see key 0, dropout, soft-capping, sinks, CUDA)
+    goes to transformers' SDPA as before."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, heads, t, dim = query.shape
+    kv_heads, s = key.shape[1], key.shape[2]
+    plain = not kwargs.get("dropout") and kwargs.get("softcap") is None and kwargs.get("s_aux") is None and kwargs.get("position_bias") is None
+    mask = attention_mask
+    if not plain or query.device.type != "cpu" or mask is None or mask.dtype != torch.bool or mask.shape[1] != 1 or heads % kv_heads or not bool(mask[..., 0].all()):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    group, span = heads // kv_heads, key_span(s)
+    q = query.reshape(b, kv_heads, group * t, dim)  # row g * T + t: query head (kv head, g) at token t
+    keys, values = (F.pad(x, (0, 0, 0, span - s)).split(KEY_BLOCK, dim=2) for x in (key, value))  # per key block [B, kv_heads, width, head_dim]
+    valid = F.pad(mask.expand(b, 1, t, s), (0, span - s)).repeat(1, 1, group, 1)  # [B, 1, group * T, span], padding keys unseen
+    hidden = tuple(None if bool(block.all()) else ~block for block in valid.split(KEY_BLOCK, dim=-1))
+    out = _attend(q, list(keys), list(values), hidden, scale=kwargs.get("scaling"))  # [B, kv_heads, group * T, head_dim]
+    return out.reshape(b, heads, t, -1).transpose(1, 2).contiguous(), None
+
+
+def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], hidden: tuple[torch.Tensor | None, ...], *, scale: float | None = None) -> torch.Tensor:
     """Batch- and split-invariant attention on CPU (see the module docstring).
 
     q: [S, kv_heads, R, head_dim] (R query rows per kv head); keys, values: per key block j (KEY_BLOCK
     positions from j * KEY_BLOCK, the last one shorter) [S_j, kv_heads, width_j, head_dim], the first
     S_j rows of q (`key_tiles`); hidden: per key block, bool broadcastable to [S_j, kv_heads, R, width_j],
     True where a query must not look (key 0 is seen by every row), or None where every row sees every
-    key → [S, kv_heads, R, head_dim]. Per key block: scores in float32, the running max, exp, the
+    key; scale: the softmax scale (1 / sqrt(head_dim) unless the model has its own) → [S, kv_heads, R,
+    head_dim]. The matmuls run in `_widen`'s dtype (`_product`, `_weigh`). Per key block: scores in float32, the running max, exp, the
     running sum, and p @ V from bf16 p (as transformers' eager attention rounds its probabilities), added
     in float32. A block a row cannot see would leave its sums exactly as they were (exp(-inf) = 0, scale
     exp(0) = 1), so rows past S_j skip it.
@@ -356,14 +385,18 @@ def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor
     so none is spent that changes no bit: a power-of-two scale (head_dim 64, 256) goes into q before
     the matmul, which scales every product and sum exactly; a block every row sees whole is not masked;
     p @ V is added to the float32 sums as it comes (bf16 → float32 is exact)."""
-    scale = q.shape[-1] ** -0.5
+    dtype = q.dtype
+    wide = _widen(q)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     exact = math.frexp(scale)[0] == 0.5
+    q = q.to(wide)
     if exact:
         q = q * scale
     peak = total = out = torch.empty(0)
     for j, (k, v, out_of_sight) in enumerate(zip(keys, values, hidden, strict=True)):
         rows = k.shape[0]
-        scores = torch.matmul(q[:rows], k.transpose(-1, -2)).float()  # [S_j, kv_heads, R, width]
+        k, v = k.to(wide), v.to(wide)
+        scores = _product(q[:rows], k.transpose(-1, -2)).float()  # [S_j, kv_heads, R, width]
         if not exact:
             scores.mul_(scale)
         if out_of_sight is not None:
@@ -371,12 +404,48 @@ def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor
         if j == 0:
             peak = scores.amax(dim=-1, keepdim=True)  # [S, kv_heads, R, 1]
             p = scores.sub_(peak).exp_()
-            total, out = p.sum(dim=-1, keepdim=True), torch.matmul(p.to(q.dtype), v).float()
+            total, out = p.sum(dim=-1, keepdim=True), _weigh(p.to(dtype).to(wide), v).float()
             continue
         new_peak = torch.maximum(peak[:rows], scores.amax(dim=-1, keepdim=True))
         rescale = (peak[:rows] - new_peak).exp_()
         p = scores.sub_(new_peak).exp_()
         total[:rows].mul_(rescale).add_(p.sum(dim=-1, keepdim=True))
-        out[:rows].mul_(rescale).add_(torch.matmul(p.to(q.dtype), v))
+        out[:rows].mul_(rescale).add_(_weigh(p.to(dtype).to(wide), v))
         peak[:rows] = new_peak
-    return out.div_(total).to(q.dtype)
+    return out.div_(total).to(dtype)
+
+
+def _widen(q: torch.Tensor) -> torch.dtype:
+    """The dtype `_attend`'s matmuls run in: the model's, or float32 for bf16 on a CPU without native bf16
+    (AVX2 only: oneDNN then emulates bf16, a 512-token chunk's scores took 226 ms against 6 ms in float32).
+    The products are the same (a product of two bf16 numbers is exact in float32), and both sum in float32."""
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not _native_bf16():
+        return torch.float32
+    return q.dtype
+
+
+def _weigh(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """p @ v, p: [S, kv_heads, R, width], v: [S, kv_heads, width, head_dim] → [S, kv_heads, R, head_dim].
+    In float32 a key block cut short (256 or 320 keys) is summed otherwise than the same keys followed by
+    zeros in a whole one (MKL on AVX2, measured), so a prompt cut at another place got other values: a
+    float32 product is always made over KEY_BLOCK keys, the missing ones zeros, which add exactly nothing."""
+    width = p.shape[-1]
+    if p.dtype == torch.float32 and width < KEY_BLOCK:
+        p = F.pad(p, (0, KEY_BLOCK - width))  # [S, kv_heads, R, KEY_BLOCK]
+        v = F.pad(v, (0, 0, 0, KEY_BLOCK - width))  # [S, kv_heads, KEY_BLOCK, head_dim]
+    return _product(p, v)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, a: [..., R, K]. In float32, fewer than FEW_ROWS rows take another MKL kernel than more do,
+    with other sums (measured on AVX2: a decode row — R = the query heads per kv head, 3 for SmolLM2 —
+    got other scores than the same token in a prefill chunk), so a is padded to FEW_ROWS rows."""
+    rows = a.shape[-2]
+    if a.dtype != torch.float32 or rows >= FEW_ROWS:
+        return torch.matmul(a, b)
+    return torch.matmul(F.pad(a, (0, 0, 0, FEW_ROWS - rows)), b)[..., :rows, :]
+
+
+@functools.cache
+def _native_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -16,7 +16,10 @@ tokens; see bench/RESULTS.md, sessions 7 and 8):
 - hf (any other architecture, or asked for): transformers' generic forward, once for the decode batch
   and once per prefill chunk; per batch row the pool rows its new tokens go to and the rows of the
   sequence's positions so far, a boolean 4-D mask giving each row its own length, plugged in through
-  the `Cache` interface (`PagedKVCache.bind`).
+  the `Cache` interface (`PagedKVCache.bind`). On CPU its attention is the lean path's too
+  (`llama.hf_attention`, registered with transformers as "metrale"): torch's CPU SDPA gives a token other
+  bf16 values when its prompt is cut otherwise or its prefix comes from the cache (on AVX2-only CPUs
+  enough to change a greedy token), and `met replay` and seeded requests rely on it not doing so.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AttentionInterface, AutoModelForCausalLM
 
 from workers import llama, quant
 from workers.blocks import BLOCK_SIZE
@@ -56,6 +59,7 @@ def load_model(folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any
 
 
 MODEL_IMPLS = ("auto", "lean", "hf")
+AttentionInterface.register("metrale", llama.hf_attention)
 
 
 class TorchRunner:
@@ -86,6 +90,8 @@ class TorchRunner:
         if why_not is not None and model_impl == "lean":
             raise ValueError(f"--model-impl lean: {why_not}")
         self.lean = llama.from_hf(model) if why_not is None else None
+        if self.lean is None and device.type == "cpu":
+            model.set_attn_implementation("metrale")  # the hf path's attention: `llama.hf_attention`
         self.quantization = "none"
         log.info("model path: %s", "lean (one flattened forward per step)" if self.lean else f"hf (generic forward; {why_not})")
         how = "--kv-budget-mb" if kv_budget_mb else "default: a share of free memory"
