@@ -33,7 +33,7 @@ class Settings:
     served_model_name: str | None = None
     device: str = "auto"
     dtype: str = "bfloat16"
-    model_impl: str = "hf"  # hf (transformers' forward) | lean (ours, Llama family) | auto (lean where supported); see workers.runner
+    model_impl: str = "auto"  # auto (lean where supported, else hf) | lean (ours, Llama family) | hf (transformers' forward); see workers.runner
     quantization: str = "none"  # none | auto (int4 where lossless: the weights already are 4-bit, as the default model's Q4_1) | int4 (forced): workers.quant
     workers: int = 1
     data_dir: str = ""  # embedded Redis data and the redis.url file

@@ -377,8 +377,8 @@ def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor
     True where a query must not look (key 0 is seen by every row), or None where every row sees every
     key; scale: the softmax scale (1 / sqrt(head_dim) unless the model has its own) → [S, kv_heads, R,
     head_dim]. The matmuls run in `_widen`'s dtype (`_product`, `_weigh`). Per key block: scores in float32, the running max, exp, the
-    running sum, and p @ V from bf16 p (as transformers' eager attention rounds its probabilities), added
-    in float32. A block a row cannot see would leave its sums exactly as they were (exp(-inf) = 0, scale
+    running sum, and p @ V — from bf16 p where bf16 matmuls are native (as transformers' eager attention
+    rounds its probabilities), from float32 p where they run in float32 (`_widen`) — added in float32. A block a row cannot see would leave its sums exactly as they were (exp(-inf) = 0, scale
     exp(0) = 1), so rows past S_j skip it.
 
     Passes over the [S_j, kv_heads, R, width] scores are what a long prefill pays for (bench/attention.py),
@@ -404,13 +404,13 @@ def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor
         if j == 0:
             peak = scores.amax(dim=-1, keepdim=True)  # [S, kv_heads, R, 1]
             p = scores.sub_(peak).exp_()
-            total, out = p.sum(dim=-1, keepdim=True), _weigh(p.to(dtype).to(wide), v).float()
+            total, out = p.sum(dim=-1, keepdim=True), _weigh(p if wide == torch.float32 else p.to(dtype), v).float()
             continue
         new_peak = torch.maximum(peak[:rows], scores.amax(dim=-1, keepdim=True))
         rescale = (peak[:rows] - new_peak).exp_()
         p = scores.sub_(new_peak).exp_()
         total[:rows].mul_(rescale).add_(p.sum(dim=-1, keepdim=True))
-        out[:rows].mul_(rescale).add_(_weigh(p.to(dtype).to(wide), v))
+        out[:rows].mul_(rescale).add_(_weigh(p if wide == torch.float32 else p.to(dtype), v))
         peak[:rows] = new_peak
     return out.div_(total).to(dtype)
 

@@ -3,10 +3,10 @@
 KV cache: the paged block pool of `workers.kv_cache` (blocks of `BLOCK_SIZE` positions, sized by
 `--kv-budget-mb`, or a share of free memory by default).
 
-Two model paths (`--model-impl`, MET_MODEL_IMPL; the server's default is still `hf`: the two decode
-equally fast behind a live server, but lean's long prefills are slower, since its batch-invariant
-attention runs ~2x SDPA's time at thousands of keys and a coding agent's first turn prefills 12k+
-tokens; see bench/RESULTS.md, sessions 7 and 8):
+Two model paths (`--model-impl`, MET_MODEL_IMPL; default `auto`: lean for the Llama family, hf for the
+rest). On CPU both run the same attention (`llama._attend`), so they prefill long prompts equally fast;
+lean decodes faster (one forward a step, fused projections: 32.5 vs 44 ms a token for one stream on a
+2-core AVX2 machine, bench/RESULTS.md session 11):
 - lean (`auto` picks it for the Llama family, `workers.llama`): ONE forward per step — the decode
   tokens of every running sequence and this step's prefill chunks flattened into one [tokens] batch
   (`step_batch`), each token with its position and the pool row it writes; attention reads each
