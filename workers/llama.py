@@ -256,7 +256,6 @@ class _Access:
     fresh: torch.Tensor  # blocks to zero before the write (their first position is written now)
     decode: Reads | None
     chunks: tuple[Reads, ...]
-    wide: bool  # the projections multiply in float32 (`quant.linear`): a step that prefills, bf16 without native bf16
 
 
 def _access(w: LlamaWeights, batch: StepBatch, pool: torch.Tensor) -> _Access:
@@ -268,7 +267,6 @@ def _access(w: LlamaWeights, batch: StepBatch, pool: torch.Tensor) -> _Access:
         decode=key_tiles(batch.decode_blocks, batch.decode_ends, pool, batch.decode_mask) if batch.decode_blocks is not None and batch.decode_mask is not None else None,
         # a chunk's scores have a row per (token, query head of its kv head): `_chunk_attention`
         chunks=tuple(key_tiles(c.blocks, (c.end,), pool, c.mask[None, None], group=w.heads // w.kv_heads) for c in batch.chunks),
-        wide=bool(batch.chunks) and pool.dtype == torch.bfloat16 and pool.device.type == "cpu" and not _native_bf16(),
     )
 
 
@@ -280,17 +278,17 @@ def forward(w: LlamaWeights, batch: StepBatch, k_pools: list[torch.Tensor], v_po
     for layer, k_pool, v_pool in zip(w.layers, k_pools, v_pools, strict=True):
         x = x + _attention(w, layer, rms_norm(x, layer.input_norm, w.eps), batch, access, pools=(k_pool, v_pool))
         h = rms_norm(x, layer.post_norm, w.eps)
-        gate, up = linear(h, layer.gate_up, wide=access.wide).chunk(2, dim=-1)  # [N, intermediate] each
-        x = x + linear(F.silu(gate) * up, layer.down, wide=access.wide)
+        gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)  # [N, intermediate] each
+        x = x + linear(F.silu(gate) * up, layer.down)
     last = rms_norm(x[batch.sample], w.norm, w.eps)  # [R, hidden]
-    return F.linear(last, w.lm_head)  # [R, vocab] (a few rows: bf16 is as fast here)
+    return F.linear(last, w.lm_head)  # [R, vocab]
 
 
 def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch, access: _Access, *, pools: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     # h: [N, hidden] → [N, hidden]
     cos, sin = access.rope
     n, d = h.shape[0], w.head_dim
-    qkv = linear(h, layer.qkv, layer.qkv_bias, wide=access.wide)  # [N, (heads + 2 * kv_heads) * head_dim]
+    qkv = linear(h, layer.qkv, layer.qkv_bias)  # [N, (heads + 2 * kv_heads) * head_dim]
     q, k, v = qkv.split((w.heads * d, w.kv_heads * d, w.kv_heads * d), dim=-1)
     q, k, v = q.view(n, w.heads, d), k.view(n, w.kv_heads, d), v.view(n, w.kv_heads, d)
     if layer.q_norm is not None and layer.k_norm is not None:
@@ -309,7 +307,7 @@ def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch,
         keys, values = (gather(pool, reads.index, reads.pieces) for pool in pools)
         out.append(_chunk_attention(q[c.offset : c.offset + c.length], keys, values, c.mask, hidden=reads.hidden))
     attn = out[0] if len(out) == 1 else torch.cat(out)  # [N, heads, head_dim]
-    return linear(attn.reshape(n, w.heads * d), layer.o, layer.o_bias, wide=access.wide)
+    return linear(attn.reshape(n, w.heads * d), layer.o, layer.o_bias)
 
 
 def _decode_attention(

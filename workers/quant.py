@@ -41,7 +41,6 @@ from torch import nn
 from shared.settings import QUANTIZATIONS
 
 GROUP = 32  # input channels per scale/zero: GGUF's Q4_0/Q4_1 block
-WIDE_ROWS = 12  # a float32 product (`linear(..., wide=True)`) is made with at least this many rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,24 +110,10 @@ def quantize(w: torch.Tensor) -> Int4Weight:
     return Int4Weight(packed=packed, scales_zeros=scales_zeros, out_features=out_features, in_features=in_features)
 
 
-def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, *, wide: bool = False) -> torch.Tensor:
-    """F.linear for either kind of weight: x [..., in] → [..., out].
-
-    wide (`workers.llama`: a step that prefills, bf16 on a CPU without native bf16): a bf16 weight is
-    multiplied in float32 and the result rounded to bf16, as a bf16 GEMM rounds its float32 sums. oneDNN
-    emulates bf16 GEMMs there: [512, 576] @ [576, 3072] took 93 ms against 11 ms in float32 (session 11),
-    so a 512-token chunk is ~8x faster even with the weight converted each step (0.85 ms for that one).
-    MKL's float32 GEMM takes other kernels, with other sums, for fewer than WIDE_ROWS rows (but 4 and 8;
-    measured on AVX2), so the rows are padded to WIDE_ROWS: a prompt token gets the same values in a
-    chunk of 7 as in a chunk of 500."""
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for either kind of weight: x [..., in] → [..., out]."""
     if isinstance(w, torch.Tensor):
-        if not wide:
-            return F.linear(x, w, bias)
-        lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
-        n = rows.shape[0]
-        padded = F.pad(rows.float(), (0, 0, 0, WIDE_ROWS - n)) if n < WIDE_ROWS else rows.float()
-        y = F.linear(padded, w.float(), None if bias is None else bias.float())
-        return y[:n].to(x.dtype).view(*lead, w.shape[0])
+        return F.linear(x, w, bias)
     lead = x.shape[:-1]
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, w.in_features), w.packed, GROUP, w.scales_zeros)
     y = y.view(*lead, w.out_features)
