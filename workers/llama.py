@@ -52,7 +52,7 @@ from workers.quant import Weight, linear
 FAMILIES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})  # inv_freq fixed at load time
 KEY_BLOCK = 512  # keys per block of the online softmax, at fixed absolute positions 0, 512, 1024, ...
-FEW_ROWS = 4  # float32 p @ V is computed for at least this many query rows (`_weigh`)
+FEW_ROWS = 4  # float32 attention products are made with at least this many query rows (`_product`)
 KEY_ALIGN = 64  # a key block is cut short at a multiple of this past the longest row's keys (16 was measured not to keep rows invariant)
 
 
@@ -376,10 +376,11 @@ def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor
     S_j rows of q (`key_tiles`); hidden: per key block, bool broadcastable to [S_j, kv_heads, R, width_j],
     True where a query must not look (key 0 is seen by every row), or None where every row sees every
     key; scale: the softmax scale (1 / sqrt(head_dim) unless the model has its own) → [S, kv_heads, R,
-    head_dim]. The matmuls run in `_widen`'s dtype (`_product`, `_weigh`). Per key block: scores in float32, the running max, exp, the
-    running sum, and p @ V — from bf16 p where bf16 matmuls are native (as transformers' eager attention
-    rounds its probabilities), from float32 p where they run in float32 (`_widen`) — added in float32. A block a row cannot see would leave its sums exactly as they were (exp(-inf) = 0, scale
-    exp(0) = 1), so rows past S_j skip it.
+    head_dim]. The matmuls run in `_widen`'s dtype (`_product`, `_weigh`). Per key block: scores in
+    float32, the running max, exp, the running sum, and p @ V — from bf16 p where bf16 matmuls are
+    native (as transformers' eager attention rounds its probabilities), from float32 p where they run
+    in float32 — added in float32. A block a row cannot see would leave its sums exactly as they were
+    (exp(-inf) = 0, scale exp(0) = 1), so rows past S_j skip it.
 
     Passes over the [S_j, kv_heads, R, width] scores are what a long prefill pays for (bench/attention.py),
     so none is spent that changes no bit: a power-of-two scale (head_dim 64, 256) goes into q before
