@@ -34,7 +34,15 @@ RedisClusterFlag = Annotated[bool | None, typer.Option("--redis-cluster", help="
 DataDir = Annotated[str | None, typer.Option(help="Where the embedded Redis and converted models live.")]
 Device = Annotated[str | None, typer.Option(help="auto (CUDA if present, else CPU), cpu, cuda, cuda:1...")]
 Dtype = Annotated[str | None, typer.Option(help="bfloat16 (default), float16 or float32.")]
-ModelImpl = Annotated[str | None, typer.Option(help="hf (default: transformers' forward), lean (our one-forward-per-step path, Llama family) or auto (lean where supported).")]
+ModelImpl = Annotated[str | None, typer.Option(help="auto (default: lean where supported, else hf), lean (our one-forward-per-step path, Llama family) or hf (transformers' forward).")]
+BatchInvariant = Annotated[
+    bool | None,
+    typer.Option(
+        "--batch-invariant/--no-batch-invariant",
+        help="On a CPU without native bf16 (AVX2): decode tokens keep bf16 projections, so a request's logits do not depend on what "
+        "shares its step (slower with many streams; by default a step of 6+ rows multiplies in float32).",
+    ),
+]
 Quantization = Annotated[
     str | None,
     typer.Option(
@@ -172,6 +180,7 @@ def serve(
     device: Device = None,
     dtype: Dtype = None,
     model_impl: ModelImpl = None,
+    batch_invariant: BatchInvariant = None,
     quantization: Quantization = None,
     max_running: MaxRunning = None,
     kv_budget_mb: KvBudget = None,
@@ -290,6 +299,7 @@ def worker(
     device: Device = None,
     dtype: Dtype = None,
     model_impl: ModelImpl = None,
+    batch_invariant: BatchInvariant = None,
     quantization: Quantization = None,
     max_running: MaxRunning = None,
     kv_budget_mb: KvBudget = None,

@@ -33,6 +33,7 @@ class Settings:
     served_model_name: str | None = None
     device: str = "auto"
     dtype: str = "bfloat16"
+    batch_invariant: bool = False  # decode rows keep bf16 projections on a CPU without native bf16 (workers.runner.TorchRunner.wide_mode)
     model_impl: str = "auto"  # auto (lean where supported, else hf) | lean (ours, Llama family) | hf (transformers' forward); see workers.runner
     quantization: str = "none"  # none | auto (int4 where lossless: the weights already are 4-bit, as the default model's Q4_1) | int4 (forced): workers.quant
     workers: int = 1

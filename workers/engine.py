@@ -103,7 +103,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.info = info
         pool = BlockPool(runner.num_blocks, block_size=runner.block_size, prefix_cache=settings.prefix_cache)
-        self.scheduler = Scheduler(pool=pool, max_running=settings.max_running, max_tokens_per_step=settings.max_tokens_per_step)
+        salt = getattr(runner, "wide_mode", "off") != "off"  # prompt tokens computed otherwise than generated ones
+        self.scheduler = Scheduler(pool=pool, max_running=settings.max_running, max_tokens_per_step=settings.max_tokens_per_step, salt_outputs=salt)
         self.request_timeout = settings.request_timeout
         self.clock = clock
         self.stats = EngineStats()

@@ -114,6 +114,9 @@ class StepBatch:
     decode_mask: torch.Tensor | None  # [B, 1, 1, P] bool
     chunks: tuple[Chunk, ...]
     sample: torch.Tensor  # [R] flat indices of the tokens whose logits are sampled
+    wide: torch.Tensor | None = None  # [W] rows whose projections multiply in float32 (`_project`); None: no row
+    narrow: torch.Tensor | None = None  # [N - W] the other rows, when only some are wide; None: every row is
+    wide_head: bool = False  # the lm_head multiplies the sampled rows in float32 too
 
 
 def unsupported(model: Any, *, max_len: int) -> str | None:
@@ -278,17 +281,30 @@ def forward(w: LlamaWeights, batch: StepBatch, k_pools: list[torch.Tensor], v_po
     for layer, k_pool, v_pool in zip(w.layers, k_pools, v_pools, strict=True):
         x = x + _attention(w, layer, rms_norm(x, layer.input_norm, w.eps), batch, access, pools=(k_pool, v_pool))
         h = rms_norm(x, layer.post_norm, w.eps)
-        gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)  # [N, intermediate] each
-        x = x + linear(F.silu(gate) * up, layer.down)
+        gate, up = _project(h, layer.gate_up, None, batch).chunk(2, dim=-1)  # [N, intermediate] each
+        x = x + _project(F.silu(gate) * up, layer.down, None, batch)
     last = rms_norm(x[batch.sample], w.norm, w.eps)  # [R, hidden]
-    return F.linear(last, w.lm_head)  # [R, vocab]
+    return linear(last, w.lm_head, wide=batch.wide_head)  # [R, vocab]
+
+
+def _project(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, batch: StepBatch) -> torch.Tensor:
+    """x [N, in] → [N, out]: the rows `batch.wide` names multiply in float32 (`quant.linear(wide=True)`),
+    the others as the weight is stored."""
+    if batch.wide is None or not isinstance(w, torch.Tensor):
+        return linear(x, w, bias)
+    if batch.narrow is None:
+        return linear(x, w, bias, wide=True)
+    y = x.new_empty((x.shape[0], w.shape[0]))
+    y.index_copy_(0, batch.narrow, linear(x.index_select(0, batch.narrow), w, bias))
+    y.index_copy_(0, batch.wide, linear(x.index_select(0, batch.wide), w, bias, wide=True))
+    return y
 
 
 def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch, access: _Access, *, pools: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     # h: [N, hidden] → [N, hidden]
     cos, sin = access.rope
     n, d = h.shape[0], w.head_dim
-    qkv = linear(h, layer.qkv, layer.qkv_bias)  # [N, (heads + 2 * kv_heads) * head_dim]
+    qkv = _project(h, layer.qkv, layer.qkv_bias, batch)  # [N, (heads + 2 * kv_heads) * head_dim]
     q, k, v = qkv.split((w.heads * d, w.kv_heads * d, w.kv_heads * d), dim=-1)
     q, k, v = q.view(n, w.heads, d), k.view(n, w.kv_heads, d), v.view(n, w.kv_heads, d)
     if layer.q_norm is not None and layer.k_norm is not None:
@@ -307,7 +323,7 @@ def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch,
         keys, values = (gather(pool, reads.index, reads.pieces) for pool in pools)
         out.append(_chunk_attention(q[c.offset : c.offset + c.length], keys, values, c.mask, hidden=reads.hidden))
     attn = out[0] if len(out) == 1 else torch.cat(out)  # [N, heads, head_dim]
-    return linear(attn.reshape(n, w.heads * d), layer.o, layer.o_bias)
+    return _project(attn.reshape(n, w.heads * d), layer.o, layer.o_bias, batch)
 
 
 def _decode_attention(
@@ -420,7 +436,7 @@ def _widen(q: torch.Tensor) -> torch.dtype:
     """The dtype `_attend`'s matmuls run in: the model's, or float32 for bf16 on a CPU without native bf16
     (AVX2 only: oneDNN then emulates bf16, a 512-token chunk's scores took 226 ms against 6 ms in float32).
     The products are the same (a product of two bf16 numbers is exact in float32), and both sum in float32."""
-    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not _native_bf16():
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not native_bf16():
         return torch.float32
     return q.dtype
 
@@ -448,5 +464,5 @@ def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _native_bf16() -> bool:
+def native_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

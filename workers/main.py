@@ -50,6 +50,7 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         dtype=dtype,
         model_impl=settings.model_impl,
     ).quantize(settings.quantization)
+    runner.batch_invariant = settings.batch_invariant
     runner.eos_ids = renderer.info.eos_token_ids  # min_tokens bans these until reached
     runner.tokenizer = renderer.tokenizer  # DRY sequence breakers are tokenized with it
     engine = Engine(

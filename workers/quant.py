@@ -41,6 +41,8 @@ from torch import nn
 from shared.settings import QUANTIZATIONS
 
 GROUP = 32  # input channels per scale/zero: GGUF's Q4_0/Q4_1 block
+WIDE_ROWS = 12  # a float32 product (`linear(..., wide=True)`) is made with at least this many rows
+WIDE_TILE = 4096  # ... and with at most this many outputs at a time (an lm_head is converted in slices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +112,27 @@ def quantize(w: torch.Tensor) -> Int4Weight:
     return Int4Weight(packed=packed, scales_zeros=scales_zeros, out_features=out_features, in_features=in_features)
 
 
-def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for either kind of weight: x [..., in] → [..., out]."""
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, *, wide: bool = False) -> torch.Tensor:
+    """F.linear for either kind of weight: x [..., in] → [..., out].
+
+    wide (a bf16 weight; `workers.llama` asks for it on a CPU without native bf16): the product is made in
+    float32 and rounded to x's dtype, as a bf16 GEMM rounds its float32 sums; the weight is converted for
+    this call. oneDNN emulates bf16 GEMMs there at a cost linear in the rows: [M, 576] @ [576, 3072] took
+    0.23 ms a row (120 ms for 512 rows) against 0.23 ms for the conversion plus 1.0 ms (12 rows) or 18 ms
+    (512 rows) in float32 (session 12, 2-core AMD EPYC). MKL's float32 GEMM takes other kernels, with
+    other sums, for fewer than WIDE_ROWS rows (but 4 and 8; measured on AVX2), so the rows are padded to
+    WIDE_ROWS: a row gets the same values among 7 rows as among 500."""
     if isinstance(w, torch.Tensor):
-        return F.linear(x, w, bias)
+        if not wide:
+            return F.linear(x, w, bias)
+        lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        padded = F.pad(rows.float(), (0, 0, 0, WIDE_ROWS - n)) if n < WIDE_ROWS else rows.float()
+        out = torch.empty((n, w.shape[0]), dtype=x.dtype, device=x.device)
+        for o in range(0, w.shape[0], WIDE_TILE):  # a vocabulary-sized weight converted a slice at a time
+            part = slice(o, o + WIDE_TILE)
+            out[:, part] = F.linear(padded, w[part].float(), None if bias is None else bias[part].float())[:n]
+        return out.view(*lead, w.shape[0])
     lead = x.shape[:-1]
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, w.in_features), w.packed, GROUP, w.scales_zeros)
     y = y.view(*lead, w.out_features)

@@ -93,6 +93,8 @@ class TorchRunner:
         if self.lean is None and device.type == "cpu":
             model.set_attn_implementation("metrale")  # the hf path's attention: `llama.hf_attention`
         self.quantization = "none"
+        self.batch_invariant = False  # `--batch-invariant`: decode rows keep bf16 projections (`wide_mode`); set before the engine is built
+        self.widen: bool | None = None  # projections in float32 where `wide_mode` says (None: where bf16 is not native)
         log.info("model path: %s", "lean (one flattened forward per step)" if self.lean else f"hf (generic forward; {why_not})")
         how = "--kv-budget-mb" if kv_budget_mb else "default: a share of free memory"
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB, %s)", self.num_blocks, BLOCK_SIZE, self.num_blocks * BLOCK_SIZE, self.kv_bytes / 2**20, how)
@@ -111,6 +113,19 @@ class TorchRunner:
         log.info("weights: %s (%s)", what, why)
         return self
 
+    @property
+    def wide_mode(self) -> str:
+        """Which rows of a lean step multiply their projections in float32 (`step_batch`): "off" but for bf16
+        weights on a CPU without native bf16, where oneDNN emulates bf16 GEMMs at a cost linear in the rows
+        (`quant.linear`). There prompt tokens always do ("prompt", with `batch_invariant`), so a prompt's
+        keys/values are the same however it is chunked or cached; by default ("auto") so does every row of
+        a step with prompt tokens or at least WIDE_MIN_ROWS rows, and a decode row then gets other low
+        bits alone than among many (with `batch_invariant` decode rows stay bf16, row-invariant there)."""
+        widen = self.widen if self.widen is not None else not llama.native_bf16()
+        if self.lean is None or self.quantization != "none" or self.dtype != torch.bfloat16 or self.device.type != "cpu" or not widen:
+            return "off"
+        return "prompt" if self.batch_invariant else "auto"
+
     def release(self, seq: Sequence) -> None:
         self._generators.pop(seq.key, None)
         self._breakers.pop(seq.key, None)
@@ -128,7 +143,7 @@ class TorchRunner:
         if self.lean is not None:
             if not plan.decode and not plan.prefill:
                 return [], torch.empty(0)
-            batch, rows = step_batch(plan, block_size=self.block_size, pad_block=self.cache.pad_block, device=self.device)
+            batch, rows = step_batch(plan, block_size=self.block_size, pad_block=self.cache.pad_block, device=self.device, wide=self.wide_mode)
             return rows, llama.forward(self.lean, batch, self.cache.keys, self.cache.values).float()
         return self._hf_forward(plan)
 
@@ -195,9 +210,14 @@ class TorchRunner:
         return self._forward([seq], input_ids, positions)
 
 
-def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch.device) -> tuple[llama.StepBatch, list[Sequence]]:
+WIDE_MIN_ROWS = 6  # `wide_mode` "auto": a step of this many rows multiplies all of them in float32 (the crossover, session 12)
+
+
+def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch.device, wide: str = "off") -> tuple[llama.StepBatch, list[Sequence]]:
     """A plan flattened for `llama.forward`: decode tokens first, longest first, then each prefill chunk's
-    tokens; and the sequences of its sampled rows, in their order."""
+    tokens; and the sequences of its sampled rows, in their order. `wide` (`TorchRunner.wide_mode`) picks
+    the rows whose projections multiply in float32: the prompt tokens' ("prompt"), or every row of a step
+    with prompt tokens or WIDE_MIN_ROWS rows ("auto")."""
     decode = sorted(plan.decode, key=lambda s: s.computed, reverse=True)
     ids: list[int] = [s.output[-1] for s in decode]
     positions: list[int] = [s.computed for s in decode]
@@ -223,6 +243,12 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch
         mask = torch.arange(span)[None, :] <= torch.arange(c.start, c.end)[:, None]  # [T, P] causal from position start
         chunks.append(llama.Chunk(offset=offset, length=c.end - c.start, end=c.end, blocks=blocks.to(device, non_blocking=True), mask=mask.to(device, non_blocking=True)))
     sample_at = list(range(len(decode))) + [offset + c.end - c.start - 1 for offset, c in chunk_spans if c.completes_prompt]
+    prompt_rows = [i for offset, c in chunk_spans for i in range(offset, offset + max(0, min(c.end, len(c.seq.prompt)) - c.start))]
+    if wide == "auto" and (prompt_rows or len(ids) >= WIDE_MIN_ROWS):
+        prompt_rows = list(range(len(ids)))
+    every = len(prompt_rows) == len(ids)
+    wide_rows = torch.tensor(prompt_rows, dtype=torch.long, device=device) if wide != "off" and prompt_rows else None
+    narrow_rows = None if wide_rows is None or every else torch.tensor(sorted(set(range(len(ids))) - set(prompt_rows)), dtype=torch.long, device=device)
     batch = llama.StepBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -233,6 +259,9 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch
         decode_mask=decode_mask,
         chunks=tuple(chunks),
         sample=torch.tensor(sample_at, dtype=torch.long, device=device),
+        wide=wide_rows,
+        narrow=narrow_rows,
+        wide_head=wide == "auto" and wide_rows is not None,  # "prompt": bf16, row-invariant, whichever row samples
     )
     return batch, [*decode, *(c.seq for c in plan.prefill if c.completes_prompt)]
 

@@ -12,7 +12,10 @@ Policy (continuous batching):
   them back when it finishes, so concurrency is bounded by the blocks actually used (and
   `max_running`), not by `max_model_len`. On admission a sequence reuses the cached blocks of its
   longest cached prefix (`computed` starts after them; the last prompt token is always recomputed
-  so the step has its logits) and prefills only the rest.
+  so the step has its logits) and prefills only the rest. With `salt_outputs` (the runner computes
+  prompt tokens otherwise than generated ones: `TorchRunner.wide_mode`) a block holding generated
+  tokens is keyed apart from the same token ids as prompt, so a prompt never reads keys/values computed
+  another way than its own prefill would compute them.
 - Running work gives way in two cases: a decoding sequence needs a block and the pool is exhausted,
   or a waiting request of strictly higher priority (lower value) finds no room. Either way the
   lowest-priority, latest running sequence is preempted — its blocks given back (they stay cached,
@@ -126,8 +129,9 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, *, pool: BlockPool, max_running: int, max_tokens_per_step: int) -> None:
+    def __init__(self, *, pool: BlockPool, max_running: int, max_tokens_per_step: int, salt_outputs: bool = False) -> None:
         self.pool = pool
+        self.salt_outputs = salt_outputs
         self.max_running = max_running
         self.max_tokens_per_step = max(max_tokens_per_step, self.max_running)
         self.waiting: list[Sequence] = []
@@ -219,7 +223,9 @@ class Scheduler:
         while len(seq.block_keys) < full_blocks:
             i = len(seq.block_keys)
             parent = seq.block_keys[-1] if seq.block_keys else ROOT
-            seq.block_keys.append(chain_hash(parent, seq.span(i * size, (i + 1) * size)))
+            prompt_in_block = len(seq.prompt) - i * size  # < size: the block holds generated tokens
+            salt = b"output after %d" % max(0, prompt_in_block) if self.salt_outputs and prompt_in_block < size else b""
+            seq.block_keys.append(chain_hash(parent, seq.span(i * size, (i + 1) * size), salt))
         return seq.block_keys[:full_blocks]
 
     def advance(self, plan: StepPlan) -> None:

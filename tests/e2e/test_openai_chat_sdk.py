@@ -19,6 +19,10 @@ from ..conftest import LiveServer
 pytestmark = pytest.mark.e2e
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# Asked so, the float32 model's greedy answer names Paris by a margin of 1.45 logits at its closest token;
+# "What is the capital of France?" does by 0.098 ("The" 25.36 over "L" 25.26): which one a bf16 model
+# picks there is a matter of its GEMMs' summation order (session 12), not of the server.
+NAME_IT = [{"role": "user", "content": "Name the capital of France."}]
 
 
 @pytest.fixture
@@ -28,7 +32,7 @@ def api(live_server: LiveServer) -> Iterator[openai.OpenAI]:
 
 
 def test_non_streaming_greedy_answer_mentions_paris(live_server: LiveServer, api: openai.OpenAI) -> None:
-    reply = api.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, temperature=0, max_tokens=30)  # type: ignore[arg-type]
+    reply = api.chat.completions.create(model="SmolLM2-135M-Instruct", messages=NAME_IT, temperature=0, max_tokens=30)  # type: ignore[arg-type]
     assert reply.object == "chat.completion"
     assert "Paris" in (reply.choices[0].message.content or "")
     assert reply.choices[0].finish_reason == "stop"

@@ -22,7 +22,7 @@ def api(live_server: LiveServer) -> Iterator[openai.OpenAI]:
 
 
 def test_stream_final_response_equals_create(api: openai.OpenAI) -> None:
-    common = {"model": "m", "input": "What is the capital of France?", "temperature": 0, "max_output_tokens": 40}
+    common = {"model": "m", "input": "Name the capital of France.", "temperature": 0, "max_output_tokens": 40}  # Paris by 1.45 logits in float32 (test_openai_chat_sdk)
     created = api.responses.create(**common)  # type: ignore[call-overload]
     with api.responses.stream(**common) as stream:  # type: ignore[call-overload]
         events = [e.type for e in stream]

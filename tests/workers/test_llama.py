@@ -37,11 +37,16 @@ FAMILIES = {
 }
 
 
-def tiny(family: str, seed: int = 0) -> Any:
+# SmolLM2's widths in 2 layers: a bf16 GEMM on AVX2 sums products over 64 or 256 inputs as float32 does,
+# over 576 otherwise (measured), so the float32-projection tests need this width to see any difference.
+SMOLLM_WIDE = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
+
+
+def tiny(family: str, seed: int = 0, **dims: int) -> Any:
     config_class, model_class, extra = FAMILIES[family]
     torch.manual_seed(seed)
     kwargs: dict[str, Any] = {"vocab_size": 257, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
-    config = getattr(transformers, config_class)(**{**kwargs, **extra})
+    config = getattr(transformers, config_class)(**{**kwargs, **extra, **dims})
     return getattr(transformers, model_class)(config).eval()
 
 
@@ -243,31 +248,85 @@ def test_in_bf16_a_prefix_cache_hit_gives_bit_identical_logits_to_the_full_prefi
         assert torch.equal(a, b)  # a seeded draw at temperature 1 must not depend on the cache
 
 
-def test_in_bf16_a_sequence_gets_the_same_logits_alone_and_among_longer_batch_mates() -> None:
-    def logits_of_me(requests: list[Request]) -> list[torch.Tensor]:
-        model = tiny("qwen3", seed=7).to(torch.bfloat16)
-        runner = TorchRunner(model, max_len=256, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.bfloat16)
-        mine: list[torch.Tensor] = []
+def _logits_of_me(arrivals: dict[int, list[Request]], *, batch_invariant: bool = False, family: str = "llama") -> list[torch.Tensor]:
+    """The logits of request "me" in a bf16 tiny model's run, requests added at their steps, with float32
+    projections where `TorchRunner.wide_mode` puts them (forced on, whatever this CPU's bf16)."""
+    model = tiny(family, seed=7, **SMOLLM_WIDE).to(torch.bfloat16)
+    runner = TorchRunner(model, max_len=256, kv_budget_mb=64, device=torch.device("cpu"), dtype=torch.bfloat16)
+    runner.widen, runner.batch_invariant = True, batch_invariant
+    mine: list[torch.Tensor] = []
+    sample = runner.sample
+
+    def recording(rows: list[Sequence], logits: torch.Tensor) -> Any:
+        mine.extend(logits[i].clone() for i, s in enumerate(rows) if s.key == "me")
+        return sample(rows, logits)
+
+    runner.sample = recording  # type: ignore[method-assign]
+    engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=32, max_tokens_per_step=64))
+    for step in range(1000):
+        for r in arrivals.get(step, []):
+            engine.add(r)
+        engine.step()
+        if not engine.has_work() and step >= max(arrivals):
+            return mine
+    raise AssertionError("did not finish")
+
+
+def test_with_batch_invariant_a_sequence_gets_the_same_logits_alone_and_among_batch_mates() -> None:
+    """--batch-invariant: prompt tokens in float32, decode tokens in bf16 (row-invariant on AVX2), whatever
+    shares the step — here 9 others arriving while "me" decodes, their prompt chunks in its steps."""
+    ps = prompts(10, (20, 150, 90, 40, 60, 30, 70, 25, 80, 35))
+    me = prompt_request("me", ps[0], 12)
+    others = [prompt_request(f"o{k}", p, 12) for k, p in enumerate(ps[1:])]
+    alone = _logits_of_me({0: [me]}, batch_invariant=True)
+    crowded = _logits_of_me({0: [me], 1: others[:3], 3: others[3:]}, batch_invariant=True)
+    assert len(alone) == len(crowded) == 12
+    assert all(torch.equal(a, b) for a, b in zip(alone, crowded, strict=True))  # (the hf path differs by ~2e-3 here)
+
+
+def test_by_default_a_decode_row_gets_the_same_logits_among_6_rows_as_among_16() -> None:
+    """Without --batch-invariant a step of WIDE_MIN_ROWS rows or more multiplies in float32, every row padded
+    to the same MKL kernel (quant.WIDE_ROWS): a sequence's logits then do not depend on how many share it."""
+    ps = prompts(16, (20, *(30 + 7 * k for k in range(15))))
+    me = prompt_request("me", ps[0], 10)
+    few = _logits_of_me({0: [me, *(prompt_request(f"o{k}", p, 10) for k, p in enumerate(ps[1:6]))]})
+    many = _logits_of_me({0: [me, *(prompt_request(f"o{k}", p, 10) for k, p in enumerate(ps[1:]))]})
+    assert len(few) == len(many) == 10
+    assert all(torch.equal(a, b) for a, b in zip(few, many, strict=True))
+
+
+def test_a_prompt_that_repeats_a_generated_answer_reads_no_block_decoded_in_bf16() -> None:
+    """Prompt tokens are computed in float32, generated ones (decoding alone) in bf16: a later prompt that
+    holds an earlier answer must not take those blocks from the prefix cache (`Scheduler.salt_outputs`),
+    or its logits would depend on whether the cache had them."""
+    [base] = prompts(1, (40,))
+
+    def run_with(cache: bool) -> tuple[list[torch.Tensor], int]:
+        model = tiny("llama", seed=8, **SMOLLM_WIDE).to(torch.bfloat16)
+        runner = TorchRunner(model, max_len=256, kv_budget_mb=64, device=torch.device("cpu"), dtype=torch.bfloat16)
+        runner.widen = True
+        rows: list[torch.Tensor] = []
         sample = runner.sample
 
-        def recording(rows: list[Sequence], logits: torch.Tensor) -> Any:
-            mine.extend(logits[i].clone() for i, s in enumerate(rows) if s.key == "me")
-            return sample(rows, logits)
+        def recording(seqs: list[Sequence], logits: torch.Tensor) -> Any:
+            rows.extend(logits[i].clone() for i, s in enumerate(seqs) if s.key == "next")
+            return sample(seqs, logits)
 
         runner.sample = recording  # type: ignore[method-assign]
-        engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=8, max_tokens_per_step=512))
-        for r in requests:
-            engine.add(r)
+        engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=4, max_tokens_per_step=256, prefix_cache=cache))
+        answer: list[int] = []
+        engine.add(prompt_request("first", base, 40))
+        while engine.has_work():
+            answer.extend(t for e in engine.step() if isinstance(e.delta, (Content, Finish)) for t in e.delta.token_ids)
+        engine.add(prompt_request("next", [*base, *answer, 7, 8, 9], 4))
         while engine.has_work():
             engine.step()
-        return mine
+        return rows, engine.scheduler.pool.hits
 
-    ps = prompts(4, (20, 150, 90, 40))
-    me = prompt_request("me", ps[0], 8)
-    alone = logits_of_me([me])
-    crowded = logits_of_me([me, *(prompt_request(f"o{k}", p, 8) for k, p in enumerate(ps[1:]))])
-    assert len(alone) == len(crowded) == 8
-    assert all(torch.equal(a, b) for a, b in zip(alone, crowded, strict=True))  # (the hf path differs by ~2e-3 here)
+    cached, hits = run_with(True)
+    fresh, _ = run_with(False)
+    assert hits == 32  # the two blocks of prompt tokens; not the ones holding the answer
+    assert all(torch.equal(a, b) for a, b in zip(cached, fresh, strict=True)) and len(cached) == 4
 
 
 def _pools(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -336,10 +395,12 @@ def test_bf16_attention_is_the_same_per_token_however_the_prompt_is_chunked_and_
     torch.testing.assert_close(whole.float(), reference[0].transpose(0, 1), atol=2e-2, rtol=2e-2)  # and it is attention
 
 
-def test_the_default_model_in_bf16_gives_identical_logits_whatever_the_step_budget_cuts_its_prompt_into() -> None:
+@pytest.mark.parametrize("widen", [False, True], ids=["bf16-projections", "float32-projections"])
+def test_the_default_model_in_bf16_gives_identical_logits_whatever_the_step_budget_cuts_its_prompt_into(widen: bool) -> None:
     """Where the scheduler cuts a prompt (its step budget, its batch mates) must not move a logit: a seeded
     request at temperature 1 would sample differently depending on what else ran (a 387-token prompt,
-    prefilled in one chunk and in chunks of 100, 33 and 7 tokens; then its first decode steps)."""
+    prefilled in one chunk and in chunks of 100, 33 and 7 tokens; then its first decode steps). With the
+    prompt's projections in float32 (`TorchRunner.wide_mode`, the default on a CPU without native bf16) too."""
     from models.files import local_folder
     from models.prompt import PromptRenderer
     from shared.ir import Message, Protocol, Role, SamplingParams, TextPart
@@ -356,6 +417,8 @@ def test_the_default_model_in_bf16_gives_identical_logits_whatever_the_step_budg
 
     def logits(budget: int) -> list[torch.Tensor]:
         runner = TorchRunner(model, max_len=1024, kv_budget_mb=64, device=torch.device("cpu"), dtype=torch.bfloat16, model_impl="lean")
+        runner.widen = widen
+        assert runner.wide_mode == ("auto" if widen else "off")
         rows: list[torch.Tensor] = []
         sample = runner.sample
 
