@@ -9,10 +9,11 @@ reads each sequence's keys/values by its block table. Logits only for the rows t
 Attention (CPU) is one function for decode rows and prefill chunks alike, written so that a token's
 output is a function of its own query and keys only — never of its batch mates, of where the scheduler
 split its prompt into chunks, or of whether its prefix came from the cache (`_attend`; measured in
-`tests/workers/test_llama.py`). That is attention's promise, not the whole forward's: the real model's
-linear layers in bf16 can give a row other values when the step has another number of rows, so a
-request decoded beside others may get other logits than alone (measured, session 9); chunking and
-prefix reuse do not change them. Keys are gathered from the paged cache in whole (block, head) tiles
+`tests/workers/test_llama.py`). The projections follow `StepBatch.wide` (the runner's `wide_mode`): on a
+CPU without native bf16 the rows it names multiply in float32 (`_project`, `quant.linear`) — oneDNN
+emulates bf16 there, one row at a time — and the rest in bf16. Prompt tokens always go one way, so
+chunking and prefix reuse never change a logit; whether a decode row's logits depend on its batch
+mates is the runner's choice (`--batch-invariant`). Keys are gathered from the paged cache in whole (block, head) tiles
 (`kv_cache.read_index`), laid out so that each run of `KEY_BLOCK` absolute positions of one head is a
 dense matrix the bmm reads in place, with an online softmax across key blocks in float32: the bf16 GEMMs of
 oneDNN give the same row whatever the other rows and whatever zero tail follows, and a key masked out
@@ -23,8 +24,9 @@ gain is not shown by a clean measurement yet: bench/RESULTS.md, session 9). torc
 that on CPU: its flash kernel's blocking and its tail
 `exp` depend on the query and key lengths of the call, so the same prompt prefilled in one chunk or in
 two gave logits up to 0.7 apart, and a seeded request sampled differently depending on what else ran
-(measured: `bench/RESULTS.md`, session 7). The price is prefill attention: 5.9 vs 4.3 ms a layer for a
-512-token chunk, 78 vs 43 ms at 4,096 keys; decode costs the same. CUDA keeps SDPA (no such promise).
+(measured: `bench/RESULTS.md`, session 7). The price is prefill attention: 10.4 vs 5.4 ms a layer for a
+512-token chunk, 72 vs 43 ms at 4,096 keys; decode is faster (3.3 vs 20 ms for 32 rows of 1,024 keys;
+`python bench/attention.py` on a 2-core AVX2 machine, session 11). CUDA keeps SDPA (no such promise).
 
 Weights come from the HF model's own parameters (so GGUF and safetensors loading stay as they are);
 the HF q/k/v and gate/up parameters are re-pointed at views of the fused tensors, so the fused copy
