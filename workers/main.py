@@ -66,6 +66,7 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         "dtype": settings.dtype,
         "model_impl": "lean" if runner.lean is not None else "hf",
         "quantization": runner.quantization,
+        "projections": runner.wide_mode,  # which rows multiply in float32 where bf16 is emulated: off | auto | prompt (--batch-invariant)
         "kv_blocks": str(runner.num_blocks),
         "kv_block_size": str(runner.block_size),
         "kv_bytes": str(runner.kv_bytes),

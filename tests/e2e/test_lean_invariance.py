@@ -6,11 +6,15 @@ chat-template header into the prefix cache from chunks the step budget had cut e
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
+
+from shared import keys
+from workers import llama
 
 from ..conftest import LiveServer, start_server, stop_server
 
@@ -47,3 +51,10 @@ def test_a_seeded_n3_request_samples_the_same_text_right_after_32_concurrent_pro
     assert len(set(runs[0])) > 1 and all(runs[0])
     assert runs[1] == runs[0]  # the first one's prompt: its header from the stories' blocks, its rest computed
     assert runs[2] == runs[0]  # these two: all of it but the last partial block from the cache
+    r = lean_server.redis()
+    try:
+        [worker] = [w.decode() for w in r.zrangebyscore(keys.WORKERS_ALIVE, time.time() - 10, "+inf")]
+        expected = b"off" if llama.native_bf16() else b"auto"  # float32 projections where this CPU emulates bf16
+        assert r.hget(keys.worker_info(worker), "projections") == expected
+    finally:
+        r.close()

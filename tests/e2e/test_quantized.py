@@ -46,6 +46,7 @@ def test_auto_runs_the_default_model_on_its_own_4bit_weights_and_answers_the_sam
     try:
         [worker] = [w.decode() for w in r.zrangebyscore(keys.WORKERS_ALIVE, time.time() - 10, "+inf")]
         assert r.hget(keys.worker_info(worker), "quantization") == b"int4"
+        assert r.hget(keys.worker_info(worker), "projections") == b"off"  # int4 weights: float32 projections do not apply
     finally:
         r.close()
     assert "weights: int4" in int4.log() and "auto: the weights already are 4-bit" in int4.log()
