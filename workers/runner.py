@@ -247,12 +247,11 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch
         mask = torch.arange(span)[None, :] <= torch.arange(c.start, c.end)[:, None]  # [T, P] causal from position start
         chunks.append(llama.Chunk(offset=offset, length=c.end - c.start, end=c.end, blocks=blocks.to(device, non_blocking=True), mask=mask.to(device, non_blocking=True)))
     sample_at = list(range(len(decode))) + [offset + c.end - c.start - 1 for offset, c in chunk_spans if c.completes_prompt]
-    prompt_rows = [i for offset, c in chunk_spans for i in range(offset, offset + max(0, min(c.end, len(c.seq.prompt)) - c.start))]
-    if wide == "auto" and (prompt_rows or len(ids) >= WIDE_MIN_ROWS):
-        prompt_rows = list(range(len(ids)))
-    every = len(prompt_rows) == len(ids)
-    wide_rows = torch.tensor(prompt_rows, dtype=torch.long, device=device) if wide != "off" and prompt_rows else None
-    narrow_rows = None if wide_rows is None or every else torch.tensor(sorted(set(range(len(ids))) - set(prompt_rows)), dtype=torch.long, device=device)
+    rows = [] if wide == "off" else [i for offset, c in chunk_spans for i in range(offset, offset + max(0, min(c.end, len(c.seq.prompt)) - c.start))]
+    if wide == "auto" and (rows or len(ids) >= WIDE_MIN_ROWS):
+        rows = list(range(len(ids)))
+    wide_rows = torch.tensor(rows, dtype=torch.long, device=device) if rows else None
+    narrow_rows = None if not rows or len(rows) == len(ids) else torch.tensor(sorted(set(range(len(ids))) - set(rows)), dtype=torch.long, device=device)
     batch = llama.StepBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
