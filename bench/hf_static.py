@@ -9,6 +9,10 @@ batch's prefill (its first step) from the batch's start; a request's end-to-end 
 end, when `generate` returns. For the single workload it also times one forward of the prompt (the
 in-process prefill; median of several) to size our pipeline's TTFT overhead.
 Runs in a child process (see isolate.py), so peak RSS is this baseline's alone.
+
+`hf-static-fp32` is the same in float32: on a CPU without native bf16 (AVX2 only: oneDNN emulates bf16
+GEMMs one row at a time) a transformers user would load the model in float32, and our worker multiplies
+most rows in float32 there (workers.quant `linear(wide=True)`), so the bf16 baseline alone would flatter us.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from workloads import BenchRequest, Workload
 PREFILL_RUNS = 9
 
 
-def load(folder: Path) -> tuple[Any, Any]:
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+def load(folder: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[Any, Any]:
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return model, tokenizer
 
@@ -50,8 +54,9 @@ class StepClock(BaseStreamer):
         pass
 
 
-def run_static(workload: Workload, folder: Path) -> RunRecord:
-    model, tokenizer = load(folder)
+def run_static(workload: Workload, folder: Path, dtype_name: str = "bfloat16") -> RunRecord:
+    dtype = getattr(torch, dtype_name)
+    model, tokenizer = load(folder, dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     _generate(model, [workload.requests[0].prompt_ids], max_new=4, pad_id=pad_id)  # warm-up, not measured
     size = workload.spec.concurrency
@@ -69,7 +74,7 @@ def run_static(workload: Workload, folder: Path) -> RunRecord:
     if workload.spec.name == "single":
         extra["prefill_ms_median"] = prefill_ms(model, workload.requests[0].prompt_ids)
     notes = (f"{waste} generated tokens beyond their request's max_tokens (waste); {padding} prompt pad tokens",)
-    return RunRecord("hf-static", wall, tuple(timings), notes, None, extra)
+    return RunRecord("hf-static" if dtype == torch.bfloat16 else "hf-static-fp32", wall, tuple(timings), notes, None, extra)
 
 
 def _run_batch(model: Any, batch: tuple[BenchRequest, ...], pad_id: int) -> tuple[list[RequestTiming], int, int]:

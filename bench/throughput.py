@@ -6,7 +6,8 @@ order), one after another so they never compete for the CPU with each other:
   SmolLM2-135M-Instruct in bf16), driven over 127.0.0.1 by a closed loop of N streaming clients using
   the official `openai` AsyncOpenAI SDK (see ours.py);
 - hf-static: transformers `generate` in a child process, static left-padded batches of N in arrival
-  order, greedy, every row run to the batch's largest max_tokens (see hf_static.py);
+  order, greedy, every row run to the batch's largest max_tokens (see hf_static.py); hf-static-fp32: the
+  same with the model in float32 (what a transformers user picks on a CPU without native bf16);
 - hf-continuous: transformers' `ContinuousBatchingManager` in a child process, the same closed loop
   of N (see hf_continuous.py); if it fails here, its error is reported instead of a figure.
 Every request generates exactly its max_tokens (ignore_eos / min_new_tokens / EOS disabled).
@@ -54,7 +55,7 @@ from shared.settings import Settings
 
 WORKLOADS = ("uniform", "mixed", "single", "prefix")
 OURS_ONLY = ("prefix",)  # workloads measuring our own cache, not a comparison
-SYSTEMS = ("ours", "ours-int4", "ours-lean", "ours-invariant", "hf-static", "hf-continuous")  # ours: `met serve` as is; ours-int4: `--quantization auto`; ours-lean: `--model-impl lean`; ours-invariant: `--batch-invariant`
+SYSTEMS = ("ours", "ours-int4", "ours-lean", "ours-invariant", "hf-static", "hf-static-fp32", "hf-continuous")  # ours: `met serve` as is; ours-int4: `--quantization auto`; ours-lean: `--model-impl lean`; ours-invariant: `--batch-invariant`
 OURS_FLAGS = {"ours": (), "ours-int4": ("--quantization", "auto"), "ours-lean": ("--model-impl", "lean"), "ours-invariant": ("--batch-invariant",)}
 MODEL_SPEC = "smollm2"
 QUIET_CORES = 0.25  # other processes' CPU use under which the shared machine counts as quiet
@@ -77,7 +78,7 @@ class BenchConfig:
 def parse_args(argv: list[str] | None) -> BenchConfig:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=(*WORKLOADS, "all"), default="all")
-    parser.add_argument("--systems", default=",".join(s for s in SYSTEMS if s not in ("ours-lean", "ours-invariant")), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    parser.add_argument("--systems", default=",".join(s for s in SYSTEMS if s not in ("ours-lean", "ours-invariant", "hf-static-fp32")), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
     parser.add_argument("--quick", action="store_true", help="a small smoke run (8 clients, 16 requests, short outputs)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the request count (at least one per client), e.g. 0.5")
     parser.add_argument("--json", action="store_true", help="write the results as JSON to stdout (the table goes to stderr)")
@@ -170,6 +171,8 @@ def _run_once(system: str, workload: Workload, folder: Path, config: BenchConfig
         record, usage = run_ours(workload, config, system)
     elif system == "hf-static":
         record, usage = run_isolated(run_static, system, (workload, folder), timeout_s=config.timeout_s)
+    elif system == "hf-static-fp32":
+        record, usage = run_isolated(run_static, system, (workload, folder, "float32"), timeout_s=config.timeout_s)
     else:
         record, usage = run_isolated(run_continuous, system, (workload, folder, config.timeout_s), timeout_s=config.timeout_s)
     result = summarize(workload, record, usage)
