@@ -55,8 +55,8 @@ from shared.settings import Settings
 
 WORKLOADS = ("uniform", "mixed", "single", "prefix")
 OURS_ONLY = ("prefix",)  # workloads measuring our own cache, not a comparison
-SYSTEMS = ("ours", "ours-int4", "ours-lean", "ours-invariant", "hf-static", "hf-static-fp32", "hf-continuous")  # ours: `met serve` as is; ours-int4: `--quantization auto`; ours-lean: `--model-impl lean`; ours-invariant: `--batch-invariant`
-OURS_FLAGS = {"ours": (), "ours-int4": ("--quantization", "auto"), "ours-lean": ("--model-impl", "lean"), "ours-invariant": ("--batch-invariant",)}
+SYSTEMS = ("ours", "ours-int4", "ours-lean", "ours-invariant", "ours-fp32", "hf-static", "hf-static-fp32", "hf-continuous")  # ours: `met serve` as is; ours-int4: `--quantization auto`; ours-lean: `--model-impl lean`; ours-invariant: `--batch-invariant`; ours-fp32: `--dtype float32`
+OURS_FLAGS = {"ours": (), "ours-int4": ("--quantization", "auto"), "ours-lean": ("--model-impl", "lean"), "ours-invariant": ("--batch-invariant",), "ours-fp32": ("--dtype", "float32")}
 MODEL_SPEC = "smollm2"
 QUIET_CORES = 0.25  # other processes' CPU use under which the shared machine counts as quiet
 
@@ -78,7 +78,7 @@ class BenchConfig:
 def parse_args(argv: list[str] | None) -> BenchConfig:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=(*WORKLOADS, "all"), default="all")
-    parser.add_argument("--systems", default=",".join(s for s in SYSTEMS if s not in ("ours-lean", "ours-invariant", "hf-static-fp32")), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    parser.add_argument("--systems", default=",".join(s for s in SYSTEMS if s not in ("ours-lean", "ours-invariant", "ours-fp32", "hf-static-fp32")), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
     parser.add_argument("--quick", action="store_true", help="a small smoke run (8 clients, 16 requests, short outputs)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the request count (at least one per client), e.g. 0.5")
     parser.add_argument("--json", action="store_true", help="write the results as JSON to stdout (the table goes to stderr)")

@@ -4,14 +4,18 @@ special-token text in a user message reaches the worker as text."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
+from cli.top_snapshot import take_snapshot
 from shared import keys
 from shared.codec import decode_request
 
@@ -237,11 +241,49 @@ def test_prefix_cache_counters_count_a_repeated_prompt_as_hits(server: LiveServe
     cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 16 and cached % 16 == 0 and cached < second.json()["usage"]["prompt_tokens"]
     after = scrape(server)
-    for _ in range(100):  # the worker's figures reach /metrics with its next heartbeat
-        if total(after, "met_prefix_cache_hits_total") >= total(before, "met_prefix_cache_hits_total") + cached:
+    queried = 2 * first.json()["usage"]["prompt_tokens"]
+    for _ in range(100):  # the worker's figures reach /metrics with its next heartbeat (the first request may hit shared template blocks: wait for both)
+        if total(after, "met_prefix_cache_hits_total") >= total(before, "met_prefix_cache_hits_total") + cached and total(
+            after, "met_prefix_cache_queries_total"
+        ) >= total(before, "met_prefix_cache_queries_total") + queried:
             break
         time.sleep(0.1)
         after = scrape(server)
     assert total(after, "met_prefix_cache_hits_total") >= total(before, "met_prefix_cache_hits_total") + cached
-    assert total(after, "met_prefix_cache_queries_total") >= total(before, "met_prefix_cache_queries_total") + 2 * first.json()["usage"]["prompt_tokens"]
+    assert total(after, "met_prefix_cache_queries_total") >= total(before, "met_prefix_cache_queries_total") + queried
     assert total(after, "met_prefix_cache_queries_total") >= total(after, "met_prefix_cache_hits_total")
+
+
+def kv_in_top(server: LiveServer) -> int:
+    """The KV tokens in use that `met top` shows for the server's one worker."""
+
+    async def snap() -> int:
+        redis = aioredis.Redis.from_url(server.redis_url)
+        try:
+            workers = (await take_snapshot(redis, heartbeat_ttl=10)).workers
+        finally:
+            await redis.aclose()
+        assert len(workers) == 1
+        return workers[0].kv_used_tokens
+
+    return asyncio.run(snap())
+
+
+def test_kv_use_shows_on_metrics_and_in_top_while_a_request_runs_and_falls_back_after(server: LiveServer) -> None:
+    body = {**CHAT, "messages": [{"role": "user", "content": "Count from one to one hundred."}], "max_tokens": 150, "ignore_eos": True}
+    done: list[httpx.Response] = []
+    runner = threading.Thread(target=lambda: done.append(patiently(server, "/v1/chat/completions", body, stream=True)))
+    runner.start()
+    seen: list[tuple[float, int]] = []
+    while runner.is_alive() and not any(perc > 0 and used > 0 for perc, used in seen):
+        seen.append((total(scrape(server), "met_kv_cache_usage_perc"), kv_in_top(server)))
+        time.sleep(0.2)
+    runner.join(timeout=120)
+    assert done and done[0].status_code == 200 and "[DONE]" in done[0].text
+    busy = [(perc, used) for perc, used in seen if perc > 0 and used > 0]
+    assert busy, f"no heartbeat showed KV use while the request ran: {seen[-5:]}"
+    assert busy[0][1] >= 16  # whole blocks: at least the prompt's
+    deadline = time.monotonic() + 10
+    while (total(scrape(server), "met_kv_cache_usage_perc"), kv_in_top(server)) != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.2)  # finished: its blocks are free (cached, evictable) by the next heartbeat
+    assert (total(scrape(server), "met_kv_cache_usage_perc"), kv_in_top(server)) == (0, 0)

@@ -32,6 +32,8 @@ def test_stream_final_response_equals_create(api: openai.OpenAI) -> None:
     assert final.status == created.status == "completed"
     assert events[:2] == ["response.created", "response.in_progress"] and events[-1] == "response.completed"
     assert final.usage is not None and created.usage is not None and final.usage.input_tokens == created.usage.input_tokens
+    cached = final.usage.input_tokens_details.cached_tokens  # the same prompt again: its full blocks come from the prefix cache
+    assert 16 <= cached < final.usage.input_tokens and cached % 16 == 0
 
 
 def test_previous_response_id_continues_the_conversation_and_responses_can_be_fetched_and_deleted(api: openai.OpenAI) -> None:
