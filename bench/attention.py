@@ -7,6 +7,7 @@ Must not: load a model or a server; the full pipeline is bench/throughput.py, on
 
     python bench/attention.py                      # default threads, as a worker runs
     python bench/attention.py --threads 1          # a footnote, not the headline
+    python bench/attention.py --key-block 2048     # another online-softmax block width (an experiment)
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ SHAPES = (
     ("prefill", 512, 8192),
     ("prefill", 64, 4096),
     ("decode", 1, 128),
+    ("decode", 1, 4096),
+    ("decode", 1, 12800),
     ("decode", 32, 256),
     ("decode", 32, 1024),
 )
@@ -97,10 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--key-block", type=int, default=llama.KEY_BLOCK, help="keys per online-softmax block (an experiment: the server uses llama.KEY_BLOCK)")
     args = parser.parse_args(argv)
+    llama.KEY_BLOCK = args.key_block
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.heads} heads / {args.kv_heads} kv heads / {args.dim} dims, best of {args.repeats}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.heads} heads / {args.kv_heads} kv heads / {args.dim} dims, key blocks of {llama.KEY_BLOCK}, best of {args.repeats}")
     print("| call | queries | keys | ours ms | SDPA ms | ours / SDPA |")
     print("|---|---|---|---|---|---|")
     with torch.inference_mode():
