@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Iterator
 
@@ -190,3 +191,13 @@ def test_models_health_and_ready(live_server: LiveServer, api: openai.OpenAI) ->
     assert httpx.get(f"{live_server.base_url}/health").json() == {"status": "ok"}
     ready = httpx.get(f"{live_server.base_url}/ready").json()
     assert ready["status"] == "ready" and ready["workers"] == 1
+
+
+def test_the_worker_prints_its_kv_pool_sized_by_default_from_free_memory_and_reports_the_same_size(live_server: LiveServer) -> None:
+    printed = re.search(r"KV cache: (\d+) blocks x 16 tokens = (\d+) tokens \((\d+) MiB, default: a share of free memory\)", live_server.log())
+    assert printed is not None, "no KV pool line in the server's log"
+    blocks, tokens = int(printed[1]), int(printed[2])
+    assert tokens == blocks * 16 and tokens > 8192  # the default budget holds more than one full context
+    with live_server.redis() as r:
+        infos = [r.hgetall(k) for k in r.scan_iter(keys.worker_info("*"))]
+    assert [int(i[b"kv_blocks"]) for i in infos] == [blocks]
