@@ -29,6 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 from workloads import BenchRequest, Workload
 
 PREFILL_RUNS = 9
+DTYPES = {"hf-static": "bfloat16", "hf-static-fp32": "float32"}  # bench system → the dtype it loads the model in
 
 
 def load(folder: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[Any, Any]:
@@ -54,9 +55,8 @@ class StepClock(BaseStreamer):
         pass
 
 
-def run_static(workload: Workload, folder: Path, dtype_name: str = "bfloat16") -> RunRecord:
-    dtype = getattr(torch, dtype_name)
-    model, tokenizer = load(folder, dtype)
+def run_static(workload: Workload, folder: Path, system: str = "hf-static") -> RunRecord:
+    model, tokenizer = load(folder, getattr(torch, DTYPES[system]))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     _generate(model, [workload.requests[0].prompt_ids], max_new=4, pad_id=pad_id)  # warm-up, not measured
     size = workload.spec.concurrency
@@ -74,7 +74,7 @@ def run_static(workload: Workload, folder: Path, dtype_name: str = "bfloat16") -
     if workload.spec.name == "single":
         extra["prefill_ms_median"] = prefill_ms(model, workload.requests[0].prompt_ids)
     notes = (f"{waste} generated tokens beyond their request's max_tokens (waste); {padding} prompt pad tokens",)
-    return RunRecord("hf-static" if dtype == torch.bfloat16 else "hf-static-fp32", wall, tuple(timings), notes, None, extra)
+    return RunRecord(system, wall, tuple(timings), notes, None, extra)
 
 
 def _run_batch(model: Any, batch: tuple[BenchRequest, ...], pad_id: int) -> tuple[list[RequestTiming], int, int]:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_continuous import run_continuous
+from hf_static import DTYPES as STATIC_DTYPES
 from hf_static import run_static
 from isolate import run_isolated
 from measure import RunRecord, TreeSampler, TreeUsage, wait_for_quiet
@@ -169,10 +170,8 @@ def _run_once(system: str, workload: Workload, folder: Path, config: BenchConfig
     log(f"{workload.spec.name}: running {system} (waited {waited:.0f}s for a quiet machine; others at {others:.2f} cores)")
     if system in OURS_FLAGS:
         record, usage = run_ours(workload, config, system)
-    elif system == "hf-static":
-        record, usage = run_isolated(run_static, system, (workload, folder), timeout_s=config.timeout_s)
-    elif system == "hf-static-fp32":
-        record, usage = run_isolated(run_static, system, (workload, folder, "float32"), timeout_s=config.timeout_s)
+    elif system in STATIC_DTYPES:
+        record, usage = run_isolated(run_static, system, (workload, folder, system), timeout_s=config.timeout_s)
     else:
         record, usage = run_isolated(run_continuous, system, (workload, folder, config.timeout_s), timeout_s=config.timeout_s)
     result = summarize(workload, record, usage)
