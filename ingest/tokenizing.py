@@ -14,10 +14,12 @@ Hence:
   returns one int: the GIL pieces stall the child, not the loop, and the child's ~5 GB is returned to
   the OS when it exits. Generations keep the thread lane: they need the ids, and a prompt over 1 MiB is
   past the context of most models anyway (refused after rendering). The child is spawned, and the
-  renderer sent with each task, off the event loop (see `_count`). The child runs at a lower CPU
-  priority (`COUNT_NICE`): a count is a bulk job, and streams and the worker come first on the cores.
-  It did not measurably shorten the largest gap of a stream running beside four 30 MiB counts in CI
-  (tests/e2e/test_abuse.py: 1.20 s without, 1.77 s with it, one 2-core run each).
+  renderer sent with each task, off the event loop (see `_count`). It encodes without offsets
+  (`render(bulk=True)`: the same ids in half the CPU). It runs at the API node's own CPU priority: at
+  nice +10 it did not measurably shorten the largest gap of a stream running beside four 30 MiB counts
+  in CI (tests/e2e/test_abuse.py: 1.20 s without, 1.77 s with it, one 2-core run each), and beside a
+  worker decoding on both cores it got so little CPU that the four counts outlasted a 900 s client
+  timeout (a later CI run). A count is the client's answer too, not a job to starve.
 Past `tokenize_queue` large jobs waiting or running, another is refused at once (429, Anthropic 529)
 instead of queueing without bound. A job whose client left still runs to its end.
 Must not: know protocols or routes.
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import os
 from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -38,19 +39,13 @@ from shared.settings import Settings
 
 T = TypeVar("T")
 LARGE_BODY_BYTES = 1 << 20  # a body above this is tokenized on the large lane
-COUNT_NICE = 10  # added to the counting child's niceness (see the module docstring)
-
-
-def _lower_priority() -> None:
-    """The counting child's initializer (no initargs: see `_count`)."""
-    os.nice(COUNT_NICE)
 
 
 def _count(renderer: Any, request: Request) -> int:
     """In the child: the renderer comes with the task, pickled by the pool's feeder thread. Not as the
     pool's `initargs`: those are written by whichever thread spawns the child, and that write blocks
     until the child has imported transformers to unpickle them (seconds of a stalled loop, measured)."""
-    return len(renderer.render(request))
+    return len(renderer.render(request, bulk=True))
 
 
 class Tokenizing:
@@ -76,7 +71,7 @@ class Tokenizing:
             return len(await self.run(size, lambda: self._renderer.render(request)))
         if self._counting is None:
             spawn = multiprocessing.get_context("spawn")  # never fork a process that runs an event loop and threads
-            self._counting = ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1, initializer=_lower_priority)
+            self._counting = ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1)
         return await self._large_job(self._counting, _count, self._renderer, request)
 
     async def _large_job(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:

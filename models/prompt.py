@@ -87,25 +87,40 @@ class PromptRenderer:
         )
         return cls(tokenizer, info)
 
-    def render(self, request: Request) -> list[int]:
+    def render(self, request: Request, *, bulk: bool = False) -> list[int]:
         """`tool_choice: none` renders no tools (the model never calls); see `models.tools` for the format.
-        A raw `completion` prompt skips the template: its token ids as given, or its text tokenized."""
+        A raw `completion` prompt skips the template: its token ids as given, or its text tokenized.
+        `bulk`: see `_encode` (only where no other thread uses this renderer)."""
         if request.completion is not None:
             if request.completion.token_ids:
                 return self.check_ids(request.completion.token_ids, "prompt")
-            return self.tokenize_text(request.completion.text)
+            return self.tokenize_text(request.completion.text, bulk=bulk)
         return self.render_messages(
             request.messages,
             request.tools if calls_enabled(request) else (),
             thinking=request.thinking.enabled,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
+            bulk=bulk,
         )
 
-    def tokenize_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def tokenize_text(self, text: str, *, add_special_tokens: bool = True, bulk: bool = False) -> list[int]:
         """Raw text → ids, special-token strings included as the specials they spell (the client wrote
         the whole prompt); `add_special_tokens` adds what the tokenizer adds by default (a BOS, for some)."""
-        ids: list[int] = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return self._encode([text], add_special_tokens=add_special_tokens, split_special_tokens=None, bulk=bulk)[0]
+
+    def _encode(self, texts: list[str], *, add_special_tokens: bool, split_special_tokens: bool | None, bulk: bool) -> list[list[int]]:
+        """Each text's ids (`split_special_tokens` None: the tokenizer's own setting). `bulk` encodes
+        through the Rust backend without offsets (`encode_batch_fast`): the same ids in about half the time (30 MiB: 22 s against 45 s here), for a count of a huge body.
+        It sets the backend's `encode_special_tokens` (shared state, as transformers' own call does), so
+        it is used only where one thread owns the renderer: the counting child (ingest/tokenizing.py)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if bulk and backend is not None:
+            split = self.tokenizer.split_special_tokens if split_special_tokens is None else split_special_tokens
+            backend.encode_special_tokens = bool(split)
+            return [list(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+        split = {} if split_special_tokens is None else {"split_special_tokens": split_special_tokens}
+        ids: list[list[int]] = self.tokenizer(texts, add_special_tokens=add_special_tokens, **split)["input_ids"]
         return ids
 
     def check_ids(self, token_ids: tuple[int, ...] | list[int], param: str) -> list[int]:
@@ -132,6 +147,7 @@ class PromptRenderer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        bulk: bool = False,
     ) -> list[int]:
         """`thinking` (None: the template's default) reaches templates that take `enable_thinking`.
         `continue_final_message` leaves the final assistant message open (transformers cuts the rendered
@@ -153,9 +169,8 @@ class PromptRenderer:
         if isinstance(final, str) and not text.endswith(final) and text.endswith(final.rstrip()):
             text += final[len(final.rstrip()) :]  # a template that trims the content lost its trailing whitespace: the output continues after it
         if not escape.used:
-            ids: list[int] = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-            return ids
-        ids = self._tokenize_escaped(text, escape)
+            return self._encode([text], add_special_tokens=add_special_tokens, split_special_tokens=None, bulk=bulk)[0]
+        ids = self._tokenize_escaped(text, escape, bulk=bulk)
         return self._with_special_tokens(ids) if add_special_tokens else ids
 
     def _with_special_tokens(self, ids: list[int]) -> list[int]:
@@ -165,12 +180,12 @@ class PromptRenderer:
         start = next(i for i in range(len(full)) if full[i : i + len(bare)] == bare)
         return full[:start] + ids + full[start + len(bare) :]
 
-    def _tokenize_escaped(self, text: str, escape: _Escape) -> list[int]:
+    def _tokenize_escaped(self, text: str, escape: _Escape, *, bulk: bool = False) -> list[int]:
         """Template special tokens → their ids; the text between them, sentinels restored, → text tokens."""
         assert self._specials is not None
         pieces = self._specials.split(text)  # [text, special, text, special, ..., text]
         texts = [escape.restore(piece) for piece in pieces[::2]]
-        encoded = self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        encoded = self._encode(texts, add_special_tokens=False, split_special_tokens=True, bulk=bulk)
         special_ids = self.tokenizer.convert_tokens_to_ids(pieces[1::2])
         ids: list[int] = list(encoded[0])
         for special, chunk in zip(special_ids, encoded[1:], strict=True):

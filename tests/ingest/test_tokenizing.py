@@ -59,23 +59,19 @@ async def test_a_large_count_is_counted_in_a_child_process_exactly_as_the_prompt
     lanes.close()
 
 
-class NicenessRenderer:
-    """Renders any request as one token per step of the rendering process's niceness (picklable)."""
+class BulkRecorder:
+    """Renders any request as one token, or two when asked to encode in bulk (picklable)."""
 
-    def render(self, request: object) -> list[int]:
-        import os
-
-        return [0] * os.nice(0)
+    def render(self, request: object, *, bulk: bool = False) -> list[int]:
+        return [0, 0] if bulk else [0]
 
 
-async def test_a_large_count_runs_at_a_lower_cpu_priority_than_the_api_node() -> None:
-    import os
-
+async def test_a_large_count_encodes_in_bulk_in_the_child_and_a_small_one_as_prompts_render() -> None:
+    """Bulk encoding sets the tokenizer's shared split flag: only the child, which owns its renderer, uses it."""
     from ingest.anthropic_messages import parse_count_tokens
-    from ingest.tokenizing import COUNT_NICE
 
     request = parse_count_tokens({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, request_id="n", created=1.0)
-    lanes = Tokenizing(Settings(), NicenessRenderer())
-    assert await lanes.count(LARGE_BODY_BYTES + 1, request) == min(19, os.nice(0) + COUNT_NICE)  # in the child
-    assert await lanes.count(100, request) == os.nice(0)  # a small one: here, as it was
+    lanes = Tokenizing(Settings(), BulkRecorder())
+    assert await lanes.count(LARGE_BODY_BYTES + 1, request) == 2
+    assert await lanes.count(100, request) == 1
     lanes.close()
