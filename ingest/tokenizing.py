@@ -15,7 +15,7 @@ Hence:
   the OS when it exits. Generations keep the thread lane: they need the ids, and a prompt over 1 MiB is
   past the context of most models anyway (refused after rendering). The child is spawned, and the
   renderer sent with each task, off the event loop (see `_count`). It encodes without offsets
-  (`render(bulk=True)`: the same ids in half the CPU). It runs at the API node's own CPU priority: at
+  (`for_bulk`: the same ids in half the CPU). It runs at the API node's own CPU priority: at
   nice +10 it did not measurably shorten the largest gap of a stream running beside four 30 MiB counts
   in CI (tests/e2e/test_abuse.py: 1.20 s without, 1.77 s with it, one 2-core run each), and beside a
   worker decoding on both cores it got so little CPU that the four counts outlasted a 900 s client
@@ -45,7 +45,7 @@ def _count(renderer: Any, request: Request) -> int:
     """In the child: the renderer comes with the task, pickled by the pool's feeder thread. Not as the
     pool's `initargs`: those are written by whichever thread spawns the child, and that write blocks
     until the child has imported transformers to unpickle them (seconds of a stalled loop, measured)."""
-    return len(renderer.render(request, bulk=True))
+    return len(renderer.for_bulk().render(request))
 
 
 class Tokenizing:

@@ -16,6 +16,7 @@ strings takes the plain path (render, tokenize once), so it tokenizes exactly as
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import secrets
@@ -44,6 +45,7 @@ class PromptRenderer:
         self.info = info
         self._specials = _special_pattern(tokenizer)
         self._grammars: Any = None  # models.grammar.Grammars, built on the first constrained request
+        self._bulk = False  # see `for_bulk`
 
     def check_constraint(self, request: Request, *, tool_parser: str = "auto") -> None:
         """Raise `ApiError` naming the parameter when the request's grammar does not compile for this
@@ -87,35 +89,39 @@ class PromptRenderer:
         )
         return cls(tokenizer, info)
 
-    def render(self, request: Request, *, bulk: bool = False) -> list[int]:
+    def render(self, request: Request) -> list[int]:
         """`tool_choice: none` renders no tools (the model never calls); see `models.tools` for the format.
-        A raw `completion` prompt skips the template: its token ids as given, or its text tokenized.
-        `bulk`: see `_encode` (only where no other thread uses this renderer)."""
+        A raw `completion` prompt skips the template: its token ids as given, or its text tokenized."""
         if request.completion is not None:
             if request.completion.token_ids:
                 return self.check_ids(request.completion.token_ids, "prompt")
-            return self.tokenize_text(request.completion.text, bulk=bulk)
+            return self.tokenize_text(request.completion.text)
         return self.render_messages(
             request.messages,
             request.tools if calls_enabled(request) else (),
             thinking=request.thinking.enabled,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            bulk=bulk,
         )
 
-    def tokenize_text(self, text: str, *, add_special_tokens: bool = True, bulk: bool = False) -> list[int]:
+    def tokenize_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Raw text → ids, special-token strings included as the specials they spell (the client wrote
         the whole prompt); `add_special_tokens` adds what the tokenizer adds by default (a BOS, for some)."""
-        return self._encode([text], add_special_tokens=add_special_tokens, split_special_tokens=None, bulk=bulk)[0]
+        return self._encode([text], add_special_tokens=add_special_tokens, split_special_tokens=None)[0]
 
-    def _encode(self, texts: list[str], *, add_special_tokens: bool, split_special_tokens: bool | None, bulk: bool) -> list[list[int]]:
-        """Each text's ids (`split_special_tokens` None: the tokenizer's own setting). `bulk` encodes
-        through the Rust backend without offsets (`encode_batch_fast`): the same ids in about half the time (30 MiB: 22 s against 45 s here), for a count of a huge body.
+    def for_bulk(self) -> PromptRenderer:
+        """This renderer, encoding through the Rust backend without offsets (`encode_batch_fast`): the
+        same ids in about half the time (30 MiB: 22 s against 45 s here), for a count of a huge body.
         It sets the backend's `encode_special_tokens` (shared state, as transformers' own call does), so
-        it is used only where one thread owns the renderer: the counting child (ingest/tokenizing.py)."""
+        use it only where one thread owns the tokenizer: the counting child (ingest/tokenizing.py)."""
+        bulk = copy.copy(self)
+        bulk._bulk = True
+        return bulk
+
+    def _encode(self, texts: list[str], *, add_special_tokens: bool, split_special_tokens: bool | None) -> list[list[int]]:
+        """Each text's ids (`split_special_tokens` None: the tokenizer's own setting); see `for_bulk`."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if bulk and backend is not None:
+        if self._bulk and backend is not None:
             split = self.tokenizer.split_special_tokens if split_special_tokens is None else split_special_tokens
             backend.encode_special_tokens = bool(split)
             return [list(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
@@ -147,7 +153,6 @@ class PromptRenderer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
-        bulk: bool = False,
     ) -> list[int]:
         """`thinking` (None: the template's default) reaches templates that take `enable_thinking`.
         `continue_final_message` leaves the final assistant message open (transformers cuts the rendered
@@ -169,8 +174,8 @@ class PromptRenderer:
         if isinstance(final, str) and not text.endswith(final) and text.endswith(final.rstrip()):
             text += final[len(final.rstrip()) :]  # a template that trims the content lost its trailing whitespace: the output continues after it
         if not escape.used:
-            return self._encode([text], add_special_tokens=add_special_tokens, split_special_tokens=None, bulk=bulk)[0]
-        ids = self._tokenize_escaped(text, escape, bulk=bulk)
+            return self._encode([text], add_special_tokens=add_special_tokens, split_special_tokens=None)[0]
+        ids = self._tokenize_escaped(text, escape)
         return self._with_special_tokens(ids) if add_special_tokens else ids
 
     def _with_special_tokens(self, ids: list[int]) -> list[int]:
@@ -180,12 +185,12 @@ class PromptRenderer:
         start = next(i for i in range(len(full)) if full[i : i + len(bare)] == bare)
         return full[:start] + ids + full[start + len(bare) :]
 
-    def _tokenize_escaped(self, text: str, escape: _Escape, *, bulk: bool = False) -> list[int]:
+    def _tokenize_escaped(self, text: str, escape: _Escape) -> list[int]:
         """Template special tokens → their ids; the text between them, sentinels restored, → text tokens."""
         assert self._specials is not None
         pieces = self._specials.split(text)  # [text, special, text, special, ..., text]
         texts = [escape.restore(piece) for piece in pieces[::2]]
-        encoded = self._encode(texts, add_special_tokens=False, split_special_tokens=True, bulk=bulk)
+        encoded = self._encode(texts, add_special_tokens=False, split_special_tokens=True)
         special_ids = self.tokenizer.convert_tokens_to_ids(pieces[1::2])
         ids: list[int] = list(encoded[0])
         for special, chunk in zip(special_ids, encoded[1:], strict=True):

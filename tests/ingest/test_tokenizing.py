@@ -60,10 +60,16 @@ async def test_a_large_count_is_counted_in_a_child_process_exactly_as_the_prompt
 
 
 class BulkRecorder:
-    """Renders any request as one token, or two when asked to encode in bulk (picklable)."""
+    """Renders any request as one token, or two as its bulk copy (picklable)."""
 
-    def render(self, request: object, *, bulk: bool = False) -> list[int]:
-        return [0, 0] if bulk else [0]
+    def __init__(self, bulk: bool = False) -> None:
+        self.bulk = bulk
+
+    def for_bulk(self) -> BulkRecorder:
+        return BulkRecorder(bulk=True)
+
+    def render(self, request: object) -> list[int]:
+        return [0, 0] if self.bulk else [0]
 
 
 async def test_a_large_count_encodes_in_bulk_in_the_child_and_a_small_one_as_prompts_render() -> None:

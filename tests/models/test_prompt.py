@@ -151,7 +151,7 @@ def test_a_raw_completion_prompt_skips_the_template_and_its_special_strings_are_
 
 @pytest.mark.parametrize("add_special_tokens", [False, True])
 def test_bulk_encoding_gives_the_same_ids_on_every_render_path(renderer: PromptRenderer, add_special_tokens: bool) -> None:
-    """`bulk` (the counting child's offset-free encode) against the normal call: a plain conversation, the
+    """`for_bulk` (the counting child's offset-free encode) against the normal call: a plain conversation, the
     escaped path (client text spelling specials), and raw completion text (specials as specials)."""
     conversations = [
         (message(Role.SYSTEM, "Be brief."), message(Role.USER, "hello world, this is some text. " * 40)),
@@ -159,10 +159,10 @@ def test_bulk_encoding_gives_the_same_ids_on_every_render_path(renderer: PromptR
     ]
     for turns in conversations:
         normal = renderer.render_messages(turns, add_special_tokens=add_special_tokens)
-        assert renderer.render_messages(turns, add_special_tokens=add_special_tokens, bulk=True) == normal and len(normal) > 20
+        assert renderer.for_bulk().render_messages(turns, add_special_tokens=add_special_tokens) == normal and len(normal) > 20
     text = "<|im_start|>user\nHi there<|im_end|>\n" * 3
     normal = renderer.tokenize_text(text, add_special_tokens=add_special_tokens)
-    assert renderer.tokenize_text(text, add_special_tokens=add_special_tokens, bulk=True) == normal and normal.count(special_ids(renderer)[0]) == 3
+    assert renderer.for_bulk().tokenize_text(text, add_special_tokens=add_special_tokens) == normal and normal.count(special_ids(renderer)[0]) == 3
 
 
 def test_a_token_id_prompt_is_used_as_given_and_out_of_vocabulary_ids_are_refused(renderer: PromptRenderer) -> None:
