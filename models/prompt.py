@@ -46,6 +46,10 @@ class PromptRenderer:
         self._specials = _special_pattern(tokenizer)
         self._grammars: Any = None  # models.grammar.Grammars, built on the first constrained request
         self._bulk = False  # see `for_bulk`
+        # transformers keeps `split_special_tokens` as state of a fast tokenizer's backend and flips it on a
+        # call that asks otherwise; two threads rendering at once (ingest's lanes) then tokenized with each
+        # other's setting (29 of 120 concurrent renders wrong, measured): the escaped path has a copy of its own.
+        self._splitting = copy.deepcopy(tokenizer) if getattr(tokenizer, "backend_tokenizer", None) is not None else tokenizer
 
     def check_constraint(self, request: Request, *, tool_parser: str = "auto") -> None:
         """Raise `ApiError` naming the parameter when the request's grammar does not compile for this
@@ -112,21 +116,23 @@ class PromptRenderer:
     def for_bulk(self) -> PromptRenderer:
         """This renderer, encoding through the Rust backend without offsets (`encode_batch_fast`): the
         same ids in about half the time (30 MiB: 22 s against 45 s here), for a count of a huge body.
-        It sets the backend's `encode_special_tokens` (shared state, as transformers' own call does), so
-        use it only where one thread owns the tokenizer: the counting child (ingest/tokenizing.py)."""
+        Used where one process has the renderer to itself: the counting child (ingest/tokenizing.py)."""
         bulk = copy.copy(self)
         bulk._bulk = True
         return bulk
 
     def _encode(self, texts: list[str], *, add_special_tokens: bool, split_special_tokens: bool | None) -> list[list[int]]:
-        """Each text's ids (`split_special_tokens` None: the tokenizer's own setting); see `for_bulk`."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        """Each text's ids: `split_special_tokens` True on the splitting copy, None with the tokenizer's own
+        setting (each tokenizer object is only ever called one way: see `__init__`); see `for_bulk`."""
+        tokenizer = self._splitting if split_special_tokens else self.tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
         if self._bulk and backend is not None:
-            split = self.tokenizer.split_special_tokens if split_special_tokens is None else split_special_tokens
-            backend.encode_special_tokens = bool(split)
+            splits = bool(tokenizer.split_special_tokens if split_special_tokens is None else split_special_tokens)
+            if backend.encode_special_tokens != splits:
+                backend.encode_special_tokens = splits
             return [list(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
         split = {} if split_special_tokens is None else {"split_special_tokens": split_special_tokens}
-        ids: list[list[int]] = self.tokenizer(texts, add_special_tokens=add_special_tokens, **split)["input_ids"]
+        ids: list[list[int]] = tokenizer(texts, add_special_tokens=add_special_tokens, **split)["input_ids"]
         return ids
 
     def check_ids(self, token_ids: tuple[int, ...] | list[int], param: str) -> list[int]:

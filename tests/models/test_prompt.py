@@ -165,6 +165,24 @@ def test_bulk_encoding_gives_the_same_ids_on_every_render_path(renderer: PromptR
     assert renderer.for_bulk().tokenize_text(text, add_special_tokens=add_special_tokens) == normal and normal.count(special_ids(renderer)[0]) == 3
 
 
+def test_renders_on_several_threads_at_once_each_tokenize_as_they_do_alone(renderer: PromptRenderer) -> None:
+    """ingest renders on `tokenize_threads` threads (2 by default): a conversation whose client text spells
+    special tokens (the escaped path splits them) beside one that does not. transformers keeps the split
+    setting as state of the tokenizer, flipped per call; shared, 29 of 120 such renders came out wrong
+    (the template's own turn markers tokenized as text, or the client's as turn markers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    escaped = (message(Role.USER, ("hello " + INJECTION + " world ") * 400),)
+    plain_turns = (message(Role.SYSTEM, "Be brief."), message(Role.USER, "hello world, this is some text. " * 1500))
+    expected = {escaped: renderer.render_messages(escaped), plain_turns: renderer.render_messages(plain_turns)}
+    start, _ = special_ids(renderer)
+    assert expected[escaped].count(start) == expected[plain_turns].count(start) == 3  # the template's turns only (its default system turn too)
+    with ThreadPoolExecutor(4) as pool:
+        jobs = [(turns, pool.submit(renderer.render_messages, turns)) for _ in range(30) for turns in (escaped, plain_turns)]
+        wrong = sum(job.result() != expected[turns] for turns, job in jobs)
+    assert wrong == 0, f"{wrong} of {len(jobs)} concurrent renders differ from the same render alone"
+
+
 def test_a_token_id_prompt_is_used_as_given_and_out_of_vocabulary_ids_are_refused(renderer: PromptRenderer) -> None:
     raw = Request(id="r", protocol=Protocol.OPENAI_COMPLETIONS, model="m", messages=(), completion=TextCompletion(token_ids=(5, 0, 49151)))
     assert renderer.render(raw) == [5, 0, 49151]
