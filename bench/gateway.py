@@ -154,13 +154,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--pin", action="store_true", help="diagnosis, not a headline: the upstream on CPU 0, the gateway and this client on CPU 1")
     parser.add_argument("--upstream-threads", type=int, default=None, help="llama.cpp's --n_threads (default: its own, half the cores)")
+    parser.add_argument("--rounds", type=int, default=2, help="direct then gateway, this many times in turn")
+    parser.add_argument("--gateway-arg", action="append", default=[], help="one more `met serve` flag for the gateway, e.g. --gateway-arg=--no-upstream-yield")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     up_port, gw_port = free_port(), free_port()
     procs = []
     try:
         procs.append(start_met(tmp / "upstream", up_port) if args.upstream == "met" else start_llamacpp(up_port, args.upstream_threads))
-        procs.append(start_met(tmp / "gateway", gw_port, "--upstream", f"http://127.0.0.1:{up_port}/v1", "--upstream-max-inflight", str(args.concurrency)))
+        procs.append(start_met(tmp / "gateway", gw_port, "--upstream", f"http://127.0.0.1:{up_port}/v1", "--upstream-max-inflight", str(args.concurrency), *args.gateway_arg))
         direct_url, gateway_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{gw_port}"
         shape = {"requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens}
         asyncio.run(workload(direct_url, requests=args.concurrency, concurrency=args.concurrency, max_tokens=8))  # warm-up
@@ -175,7 +177,7 @@ def main() -> None:
         cpu: dict[str, dict[str, float]] = {"direct": {}, "gateway": {}}
         chunks = {"direct": 0, "gateway": 0}
         spans: dict[str, list[tuple[float, float, float]]] = {"direct": [], "gateway": []}
-        for _ in range(2):
+        for _ in range(args.rounds):
             for name, url in (("direct", direct_url), ("gateway", gateway_url)):
                 before, count = cpu_seconds(watched), CHUNKS[0]
                 TIMES.clear()
@@ -191,7 +193,8 @@ def main() -> None:
         tput = {k: statistics.mean(v) for k, v in rates.items()}
         threads = f" ({args.upstream_threads or 'default'} threads)" if args.upstream == "llamacpp" else ""
         threads += " (pinned: upstream on CPU 0, the rest on CPU 1)" if args.pin else ""
-        print(f"upstream: {args.upstream}{threads}; {args.requests} requests x 2 rounds, {args.concurrency} concurrent, {args.max_tokens} tokens each")
+        threads += f" (gateway: {' '.join(args.gateway_arg)})" if args.gateway_arg else ""
+        print(f"upstream: {args.upstream}{threads}; {args.requests} requests x {args.rounds} rounds, {args.concurrency} concurrent, {args.max_tokens} tokens each")
         print(f"TTFT p50 direct {p50['direct']:.1f} ms, through the gateway {p50['gateway']:.1f} ms: overhead {p50['gateway'] - p50['direct']:+.1f} ms (target <= 10)")
         print(f"throughput direct {tput['direct']:.1f} chars/s, through the gateway {tput['gateway']:.1f} chars/s: ratio {tput['gateway'] / tput['direct']:.3f}x (target >= 0.95)")
         for name in ("direct", "gateway"):

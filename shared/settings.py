@@ -89,6 +89,7 @@ class Settings:
     upstream_timeout: float = 30.0  # seconds a request waits for an unreachable upstream before it fails
     upstream_flavor: str = "vllm"  # vllm (send vLLM's extension sampling fields) | openai (refuse them)
     upstream_continue: bool = False  # a reclaimed stream continues its text (vLLM's continue_final_message) instead of one error
+    upstream_yield: bool = True  # with --upstream, the API node, Redis and gateway workers run SCHED_BATCH (cli/main.py: yield_to_upstream)
     log_format: str = "plain"  # plain (human lines) or json (one JSON object a line, for log shippers)
     # Sampling defaults (models/generation.py): a request's value → these flags → the generation config.
     generation_config: str = "auto"  # auto | none | a generation_config.json path

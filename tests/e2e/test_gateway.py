@@ -72,6 +72,26 @@ def test_ready_metrics_and_met_top_show_the_gateway_worker_with_its_healthy_upst
     checks.check_health_is_shown(gateway, upstream)
 
 
+def test_the_gateways_processes_run_sched_batch_and_a_model_servers_do_not(gateway: LiveServer, upstream: MetUpstream) -> None:
+    """`met serve --upstream` yields to an upstream on the same host (cli/main.py: yield_to_upstream): its
+    API node, Redis and gateway worker are SCHED_BATCH; the upstream here, a `met serve` with a model
+    worker, keeps normal scheduling."""
+    import os
+
+    import psutil
+
+    assert upstream.server is not None
+
+    def policies(pid: int) -> dict[str, int]:
+        top = psutil.Process(pid)
+        return {" ".join(p.cmdline()[1:4]): os.sched_getscheduler(p.pid) for p in [top, *top.children(recursive=True)]}
+
+    gateway_side, model_side = policies(gateway.proc.pid), policies(upstream.server.proc.pid)
+    assert len(gateway_side) >= 3 and set(gateway_side.values()) == {os.SCHED_BATCH}, gateway_side  # API, Redis, worker
+    assert any("worker" in name for name in gateway_side), gateway_side
+    assert len(model_side) >= 3 and set(model_side.values()) == {os.SCHED_OTHER}, model_side
+
+
 def test_openai_chat_through_the_gateway_text_max_tokens_stop_and_usage(gateway: LiveServer) -> None:
     checks.check_openai_chat(gateway)
 
