@@ -111,7 +111,7 @@ class PromptRenderer:
     def tokenize_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Raw text → ids, special-token strings included as the specials they spell (the client wrote
         the whole prompt); `add_special_tokens` adds what the tokenizer adds by default (a BOS, for some)."""
-        return self._encode([text], add_special_tokens=add_special_tokens, split_special_tokens=None)[0]
+        return self._encode([text], add_special_tokens=add_special_tokens)[0]
 
     def for_bulk(self) -> PromptRenderer:
         """This renderer, encoding through the Rust backend without offsets (`encode_batch_fast`): the
@@ -121,18 +121,19 @@ class PromptRenderer:
         bulk._bulk = True
         return bulk
 
-    def _encode(self, texts: list[str], *, add_special_tokens: bool, split_special_tokens: bool | None) -> list[list[int]]:
-        """Each text's ids: `split_special_tokens` True on the splitting copy, None with the tokenizer's own
-        setting (each tokenizer object is only ever called one way: see `__init__`); see `for_bulk`."""
-        tokenizer = self._splitting if split_special_tokens else self.tokenizer
+    def _encode(self, texts: list[str], *, add_special_tokens: bool, split: bool = False) -> list[list[int]]:
+        """Each text's ids; `split` tokenizes special-token strings as text, on the splitting copy (each
+        tokenizer object is only ever called one way: see `__init__`); otherwise the tokenizer's own
+        setting. See `for_bulk`."""
+        tokenizer = self._splitting if split else self.tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if self._bulk and backend is not None:
-            splits = bool(tokenizer.split_special_tokens if split_special_tokens is None else split_special_tokens)
+            splits = split or bool(tokenizer.split_special_tokens)
             if backend.encode_special_tokens != splits:
                 backend.encode_special_tokens = splits
             return [list(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
-        split = {} if split_special_tokens is None else {"split_special_tokens": split_special_tokens}
-        ids: list[list[int]] = tokenizer(texts, add_special_tokens=add_special_tokens, **split)["input_ids"]
+        kwargs = {"split_special_tokens": True} if split else {}
+        ids: list[list[int]] = tokenizer(texts, add_special_tokens=add_special_tokens, **kwargs)["input_ids"]
         return ids
 
     def check_ids(self, token_ids: tuple[int, ...] | list[int], param: str) -> list[int]:
@@ -180,7 +181,7 @@ class PromptRenderer:
         if isinstance(final, str) and not text.endswith(final) and text.endswith(final.rstrip()):
             text += final[len(final.rstrip()) :]  # a template that trims the content lost its trailing whitespace: the output continues after it
         if not escape.used:
-            return self._encode([text], add_special_tokens=add_special_tokens, split_special_tokens=None)[0]
+            return self._encode([text], add_special_tokens=add_special_tokens)[0]
         ids = self._tokenize_escaped(text, escape)
         return self._with_special_tokens(ids) if add_special_tokens else ids
 
@@ -196,7 +197,7 @@ class PromptRenderer:
         assert self._specials is not None
         pieces = self._specials.split(text)  # [text, special, text, special, ..., text]
         texts = [escape.restore(piece) for piece in pieces[::2]]
-        encoded = self._encode(texts, add_special_tokens=False, split_special_tokens=True)
+        encoded = self._encode(texts, add_special_tokens=False, split=True)
         special_ids = self.tokenizer.convert_tokens_to_ids(pieces[1::2])
         ids: list[int] = list(encoded[0])
         for special, chunk in zip(special_ids, encoded[1:], strict=True):
