@@ -27,6 +27,7 @@ Must not: parse chunk bytes (the parser does), log or store the upstream's API k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -132,6 +133,7 @@ class Gateway:
         self._ready: asyncio.Queue[Emission] = asyncio.Queue()
         self._attempts: dict[str, int] = {}
         self._ended: set[str] = set()  # requests a cancel, discard or failure already ended here
+        self._room = asyncio.Event()  # set when a request ends (the claimer waits on it at max_inflight)
 
     # ---- the engine's side of ClaimLoop --------------------------------------------------------
 
@@ -195,6 +197,16 @@ class Gateway:
         self._tasks.pop(request_id, None)
         self._attempts.pop(request_id, None)
         self._ended.discard(request_id)
+        self._room.set()
+
+    async def wait_for_room(self, timeout_s: float) -> None:
+        """Until a request ends (or `timeout_s`): the claimer's wait while `max_inflight` run."""
+        self._room.clear()
+        if self.room():
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._room.wait()
 
     # ---- one upstream request ------------------------------------------------------------------
 
@@ -329,11 +341,20 @@ class Gateway:
 
 class GatewayLoop(ClaimLoop[Gateway]):
     """`ClaimLoop` over a `Gateway`: the steps wait on the upstream streams (no thread), the capacity is
-    `--upstream-max-inflight`, and the heartbeat carries the upstream and its health."""
+    `--upstream-max-inflight`, and the heartbeat carries the upstream and its health.
+
+    Claims run on a task of their own (`ClaimLoop.claims_on_own_task`): a request is claimed and sent
+    upstream the moment it is queued, not once some other stream's next chunk ends a step, and a step
+    costs no claim round trip."""
+
+    claims_on_own_task = True
 
     def __init__(self, redis: Any, engine: Gateway, *, settings: Settings, worker_id: str, info: dict[str, str]) -> None:
         super().__init__(redis, engine, settings=settings, worker_id=worker_id, info=info)
         self._probe: asyncio.Task[bool] | None = None
+
+    async def wait_for_room(self, timeout_s: float) -> None:
+        await self.engine.wait_for_room(timeout_s)
 
     async def run_step(self) -> list[Emission]:
         return await self.engine.step()

@@ -56,6 +56,7 @@ TRIM_EVERY_S = 60.0
 SWEEP_EVERY_S = 10.0  # heal the in-flight set (workers.leases.sweep_inflight)
 SWEEP_GRACE_S = 30.0  # an admitted id with no request after this long never reached the queue
 BACKOFF_S = (0.05, 2.0)  # first and longest wait between tries while Redis does not answer
+CLAIM_BLOCK_MS = 200  # an idle worker's XREADGROUP block (and a claimer's: how soon it sees draining)
 OPERATOR_CANCEL_MESSAGE = "The request was cancelled by the server's operator."
 
 
@@ -106,6 +107,8 @@ class ClaimLoop(Generic[E]):
         self.redis_outages = 0
         self._backoff = 0.0
         self._retry_at = 0.0
+        self._publishing = asyncio.Lock()
+        self._claimer: asyncio.Task[None] | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():  # Redis may not be up yet (or be restarting): wait for it
@@ -123,6 +126,8 @@ class ClaimLoop(Generic[E]):
             await self.drain()
         finally:
             keeper.cancel()
+            if self._claimer is not None:
+                self._claimer.cancel()
 
     async def keep_alive(self) -> None:
         """Renew leases and heartbeat on a timer of their own: a long step (a big prefill on a busy
@@ -148,11 +153,11 @@ class ClaimLoop(Generic[E]):
             try:
                 await self._catch_up()
                 if not self.draining:
-                    await self.claim(block_ms=None if self.engine.has_work() else 200)
+                    await self.claim_between_steps()
                 await self.check_cancels()
             except RedisError as exc:
                 self._lost(exc)
-        if self.engine.has_work():
+        if self.engine.has_work() or self.claims_on_own_task:  # (then the idle loop waits in the step)
             self.outbox.extend(await self.run_step())
         elif not self.redis_up():
             await asyncio.sleep(min(0.2, max(0.0, self._retry_at - time.monotonic())))
@@ -189,6 +194,49 @@ class ClaimLoop(Generic[E]):
 
     # ---- the hooks a kind of worker fills in -----------------------------------------------------
 
+    # A kind of worker whose steps only wait on I/O (the gateway) claims on a task of its own, blocked in
+    # XREADGROUP while it has room, instead of between steps: a new request starts at once, not when a
+    # step ends, and a step costs no claim round trip. The idle loop then waits in `run_step`.
+    claims_on_own_task = False
+
+    async def claim_between_steps(self) -> None:
+        """Claim between two steps: at once while the engine has work, else waiting up to CLAIM_BLOCK_MS
+        for a request (the idle loop's wait). With `claims_on_own_task`: see that the claimer runs."""
+        if not self.claims_on_own_task:
+            await self.claim(block_ms=None if self.engine.has_work() else CLAIM_BLOCK_MS)
+        elif self._claimer is None or self._claimer.done():
+            self._claimer = asyncio.create_task(self._claim_forever())
+
+    async def _claim_forever(self) -> None:
+        """The claimer (`claims_on_own_task`): claims and reclaims until draining. Only it claims, so the
+        capacity it reads is not raced by another claim."""
+        while not self.draining:
+            if not self.redis_up():
+                await asyncio.sleep(max(0.01, self._retry_at - time.monotonic()))
+                continue
+            try:
+                if self._every("reclaim", self.settings.lease_s / 2):
+                    await self.reclaim()
+                if self.capacity():
+                    await self.claim(block_ms=CLAIM_BLOCK_MS)
+                else:
+                    await self.wait_for_room(CLAIM_BLOCK_MS / 1000)
+            except RedisError as exc:
+                self._lost(exc)
+            except Exception:  # never a silent end: log, pause, claim again
+                log.exception("claiming failed")
+                await asyncio.sleep(CLAIM_BLOCK_MS / 1000)
+
+    async def wait_for_room(self, timeout_s: float) -> None:
+        """The claimer's wait while the engine is full: until a request ends, or `timeout_s`."""
+        await asyncio.sleep(timeout_s)
+
+    async def stop_claiming(self) -> None:
+        """Draining began: let the claimer's claim in progress finish (it blocks CLAIM_BLOCK_MS at most)
+        and start what it got; then nothing more is claimed."""
+        if self._claimer is not None:
+            await asyncio.gather(self._claimer, return_exceptions=True)
+
     async def run_step(self) -> list[Emission]:
         """One engine step's emissions."""
         raise NotImplementedError
@@ -213,7 +261,7 @@ class ClaimLoop(Generic[E]):
         return True
 
     async def periodic(self) -> None:
-        if not self.draining and self._every("reclaim", self.settings.lease_s / 2):
+        if not self.draining and not self.claims_on_own_task and self._every("reclaim", self.settings.lease_s / 2):
             await self.reclaim()
         if self._every("forget dead", self.settings.heartbeat_ttl):
             for worker in await leases.forget_dead_workers(self.redis, heartbeat_ttl=self.settings.heartbeat_ttl, lease_s=self.settings.lease_s):
@@ -252,7 +300,7 @@ class ClaimLoop(Generic[E]):
         if request.id in self.held:  # our own entry, idle past its lease (a long outage): we still run it
             log.warning("request %s: reclaimed an entry this worker still runs; carrying on with attempt %d", request.id, self.held[request.id].attempt)
             return
-        recorded = await self.recorded_deltas(request.id)
+        recorded, flag = await self.recorded_and_flag(request.id)
         terminal = next((d for d in recorded if is_terminal(d)), None)
         if terminal is not None:  # an earlier attempt finished it and died before its ack: finish the books only
             outcome: Any = await self.redis.hget(keys.request_meta(request.id), Meta.OUTCOME)
@@ -264,8 +312,7 @@ class ClaimLoop(Generic[E]):
         if claimed.deliveries > self.settings.max_deliveries:
             await self.dead_letter(request, claimed)
             return
-        flag = await self.redis.get(keys.cancel_flag(request.id))
-        if flag is not None:
+        if flag is not None:  # read before the attempt began; a cancel after it is check_cancels' to find
             usage = Usage(prompt_tokens=len(request.prompt_token_ids))
             cancelled = Emission(request.id, Finish(reason=FinishReason.CANCELLED, usage=usage, attempt=attempt))
             await self.publish([self._as_cancel(cancelled, flag)])
@@ -298,9 +345,13 @@ class ClaimLoop(Generic[E]):
         error = Error(message="The worker could not read this request (it was set aside).", kind=ErrorKind.INTERNAL, attempt=attempt)
         await self.publish([Emission(rid, error)])
 
-    async def recorded_deltas(self, request_id: str) -> list[StreamDelta]:
-        entries: Any = await self.redis.xrange(keys.delta_stream(request_id))
-        return deltas_of(entries)
+    async def recorded_and_flag(self, request_id: str) -> tuple[list[StreamDelta], Any]:
+        """What earlier attempts wrote, and the request's cancel flag: one round trip before it starts."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xrange(keys.delta_stream(request_id))
+            pipe.get(keys.cancel_flag(request_id))
+            entries, flag = await pipe.execute()
+        return deltas_of(entries), flag
 
     async def dead_letter(self, request: Request, claimed: leases.Claimed) -> None:
         log.error("request %s was delivered %d times; moving it to the dead letters", request.id, claimed.deliveries)
@@ -338,15 +389,17 @@ class ClaimLoop(Generic[E]):
         """Queue `emissions` behind what waits in the outbox and write it all through the fenced script;
         settle (ack, count, feed) the requests that ended. On a Redis error what is not confirmed stays
         queued (the error propagates): the next try resends it, and the script skips what it had written."""
-        self.outbox.extend(emissions)
-        if self.outbox:
-            await self._write_outbox()
-        if self.settle:
-            await self._settle()
+        async with self._publishing:  # one write at a time: a gateway's claimer publishes beside the step loop
+            self.outbox.extend(emissions)
+            if self.outbox:
+                await self._write_outbox()
+            if self.settle:
+                await self._settle()
 
     async def _write_outbox(self) -> None:
+        sent = len(self.outbox)  # the step loop may append behind these while the write is out
         by_request: dict[str, list[Emission]] = defaultdict(list)
-        for e in self.outbox:
+        for e in self.outbox[:sent]:
             by_request[e.request_id].append(e)
         now = time.time()
         rids = [rid for rid in by_request if rid in self.held]
@@ -362,7 +415,7 @@ class ClaimLoop(Generic[E]):
                 self._fenced_loaded = False
                 raise
         self._fenced_loaded = self._fenced_loaded or bool(rids)
-        self.outbox = []
+        del self.outbox[:sent]
         for rid, written in zip(rids, results, strict=True):
             terminal = next((e for e in by_request[rid] if e.terminal), None)
             if not written:
@@ -432,6 +485,7 @@ class ClaimLoop(Generic[E]):
     async def drain(self) -> None:
         """Stop claiming, finish what runs within the drain timeout, hand the rest back, leave."""
         self.draining = True
+        await self.stop_claiming()
         try:
             await self.heartbeat()
         except RedisError as exc:

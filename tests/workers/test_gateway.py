@@ -1,18 +1,28 @@
-"""The gateway worker's engine and loop hooks (workers/gateway.py) without an upstream running: a port where
-nothing listens stands for an upstream that is down (a real refused connection, no mock)."""
+"""The gateway worker's engine and loop hooks (workers/gateway.py): a port where nothing listens stands for an
+upstream that is down (a real refused connection, no mock); the claimer's test streams from a small ASGI
+upstream over real HTTP, against a real redis-server."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from typing import Any
 
+import orjson
+import pytest
+import uvicorn
 from redis.asyncio import Redis
 
 from cli.embedded_redis import free_port
-from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, Reasoning, ToolCallStart, Usage
+from ingest.publish import submit
+from shared import keys
+from shared.codec import deltas_of
+from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, Reasoning, StreamDelta, ToolCallStart, Usage, is_terminal
 from shared.ir import Constraint, ConstraintKind, Message, Protocol, Request, Role, SamplingParams, TextPart
 from shared.settings import Settings
+from workers import leases
 from workers.gateway import RESUME_MESSAGE, Continuation, Gateway, GatewayLoop, Upstream
+from workers.main import redis_client
 from workers.upstream_request import chat_body, continue_body
 
 
@@ -94,3 +104,62 @@ async def test_a_continued_request_with_no_tokens_left_finishes_at_length_withou
     assert emission.delta == Finish(reason=FinishReason.LENGTH, usage=Usage(completion_tokens=3), attempt=2)
     assert engine.stats.upstream_errors == 0  # nothing was sent
     await engine.aclose()
+
+
+async def chunks_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """An upstream stand-in over real HTTP: `max_tokens` content chunks, 2 ms apart, then a length finish."""
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    for i in range(orjson.loads(body)["max_tokens"]):
+        await asyncio.sleep(0.002)
+        chunk = {"choices": [{"index": 0, "delta": {"content": f" w{i}"}, "finish_reason": None}]}
+        await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(chunk) + b"\n\n", "more_body": True})
+    end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+    await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(end) + b"\n\ndata: [DONE]\n\n"})
+
+
+@pytest.mark.redis
+async def test_a_gateway_worker_claims_on_a_task_of_its_own_so_a_streaming_step_costs_no_claim_round_trip(redis_server: str) -> None:
+    """Each chunk of a stream is a step of its own; a worker that claimed between steps polled XREADGROUP
+    once per chunk (and a request queued meanwhile waited for the next chunk). The gateway's claimer
+    blocks in XREADGROUP instead: a handful of calls for the whole stream."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(chunks_app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    serving = asyncio.create_task(server.serve())
+    redis = redis_client(redis_server)
+    engine = Gateway(Upstream(base_url=f"http://127.0.0.1:{port}/v1", model="m"))
+    loop = GatewayLoop(redis, engine, settings=Settings(), worker_id="gw-claimer", info={})
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        await redis.delete(keys.REQUEST_STREAM, keys.INFLIGHT)
+        await leases.ensure_group(redis)
+        await redis.config_resetstat()
+        req = replace(request("claimed-at-once"), sampling=SamplingParams(max_tokens=60))
+        await submit(redis, req)
+        deltas: list[StreamDelta] = []
+        steps = 0
+        while not any(is_terminal(d) for d in deltas):
+            await loop.step_once()
+            steps += 1
+            assert steps < 2000, "the request never finished"
+            entries: Any = await redis.xrange(keys.delta_stream(req.id))
+            deltas = deltas_of(entries)
+        assert [d.text for d in deltas if isinstance(d, Content)] == [f" w{i}" for i in range(60)]
+        assert isinstance(deltas[-1], Finish) and deltas[-1].reason is FinishReason.LENGTH
+        calls = int((await redis.info("commandstats"))["cmdstat_xreadgroup"]["calls"])
+        assert steps >= 20 and calls <= 5, f"{calls} XREADGROUP calls over {steps} steps"
+    finally:
+        loop.draining = True
+        await loop.stop_claiming()
+        await engine.aclose()
+        await redis.aclose()
+        server.should_exit = True
+        await serving
