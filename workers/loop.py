@@ -2,8 +2,9 @@
 
 Each `step_once()`: claim new requests (and, every half lease, reclaim ones whose holder died; a
 gateway does both on a claimer task of its own instead, `claims_on_own_task`), check cancel flags,
-run one engine step in a thread (so Redis I/O is not blocked behind a forward), and write the step's deltas through the fenced script (`workers.leases`). A request is XACKed only
-after its terminal event is written. Periodically: heartbeat (figures for /ready, the TUI, /metrics),
+run one engine step in a thread (so Redis I/O is not blocked behind a forward), and write the step's
+deltas through the fenced script (`workers.leases`). A request is XACKed only after its terminal event
+is written. Periodically: heartbeat (figures for /ready, the TUI, /metrics),
 lease renewal, and trimming the request stream below the oldest unacknowledged entry.
 SIGTERM drains: stop claiming, finish in-flight work within `drain_timeout`, then release the leases
 of what is left so another worker resumes it at once.
