@@ -138,7 +138,7 @@ class TreeSampler:
 def _role(proc: psutil.Process) -> str:
     """A short name for a process in a sampled tree, from its command line."""
     line = " ".join(proc.cmdline())
-    for marker, role in (("redis-server", "redis"), ("cli.main worker", "worker"), ("cli.main serve", "api"), ("multiprocessing", "child")):
+    for marker, role in (("redis-server", "redis"), ("cli.main worker", "worker"), ("cli.main serve", "api"), ("cli.main api", "api"), ("multiprocessing", "child")):
         if marker in line:
             return role
     return "other"

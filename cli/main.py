@@ -31,10 +31,21 @@ RedisUrl = Annotated[
     typer.Option("--redis-url", help="redis://, rediss:// or redis+cluster://host:port[,host:port] (a Redis Cluster). `serve` starts an embedded Redis without it."),
 ]
 RedisClusterFlag = Annotated[bool | None, typer.Option("--redis-cluster", help="--redis-url is a node of a Redis Cluster (as redis+cluster:// says).")]
+RedisMaxConnections = Annotated[
+    int | None,
+    typer.Option(help="Redis connections per process (a single server); a command that finds them all busy waits. Waiting streams hold none."),
+]
 DataDir = Annotated[str | None, typer.Option(help="Where the embedded Redis and converted models live.")]
 Device = Annotated[str | None, typer.Option(help="auto (CUDA if present, else CPU), cpu, cuda, cuda:1...")]
 Dtype = Annotated[str | None, typer.Option(help="bfloat16 (default), float16 or float32.")]
-ModelImpl = Annotated[str | None, typer.Option(help="auto (default: lean where supported, else hf), lean (our one-forward-per-step path, Llama family) or hf (transformers' forward).")]
+ModelImpl = Annotated[
+    str | None,
+    typer.Option(
+        help="auto (default: lean where supported, else hf), lean (our one-forward-per-step path, Llama family), hf (transformers' forward) "
+        "or sim (no model: each step waits --sim-step-ms and emits a fixed text; for load tests of the pipeline)."
+    ),
+]
+SimStepMs = Annotated[float | None, typer.Option(help="With --model-impl sim: milliseconds each step waits (an accelerator's forward; no CPU).")]
 BatchInvariant = Annotated[
     bool | None,
     typer.Option(
@@ -196,10 +207,12 @@ def serve(
     workers: Annotated[int | None, typer.Option(help="Worker processes to start.")] = None,
     redis_url: RedisUrl = None,
     redis_cluster: RedisClusterFlag = None,
+    redis_max_connections: RedisMaxConnections = None,
     data_dir: DataDir = None,
     device: Device = None,
     dtype: Dtype = None,
     model_impl: ModelImpl = None,
+    sim_step_ms: SimStepMs = None,
     batch_invariant: BatchInvariant = None,
     quantization: Quantization = None,
     max_running: MaxRunning = None,
@@ -273,6 +286,7 @@ def api(
     model: Model = None,
     redis_url: RedisUrl = None,
     redis_cluster: RedisClusterFlag = None,
+    redis_max_connections: RedisMaxConnections = None,
     data_dir: DataDir = None,
     max_model_len: MaxModelLen = None,
     strict_max_tokens: StrictMaxTokens = None,
@@ -317,10 +331,12 @@ def worker(
     model: Model = None,
     redis_url: RedisUrl = None,
     redis_cluster: RedisClusterFlag = None,
+    redis_max_connections: RedisMaxConnections = None,
     data_dir: DataDir = None,
     device: Device = None,
     dtype: Dtype = None,
     model_impl: ModelImpl = None,
+    sim_step_ms: SimStepMs = None,
     batch_invariant: BatchInvariant = None,
     quantization: Quantization = None,
     max_running: MaxRunning = None,

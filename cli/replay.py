@@ -25,6 +25,7 @@ import typer
 from redis.asyncio import Redis
 
 from bus.connect import connect
+from bus.tails import Tails
 from cli.dump import resolve_redis_url
 from cli.replay_http import ReplayHttpError, post_and_read
 from encoders.reencode import encode_sse
@@ -83,7 +84,11 @@ async def replay_through_redis(redis: Redis, record: DumpRecord, target: ReplayT
             raise TimeoutError(f"the queue stayed at its limit ({target.max_queue}) for {target.timeout:.0f} s")
         await asyncio.sleep(0.5)
     await submit(redis, request)
-    deltas = [d async for d in tail(redis, request.id, deadline=time.time() + target.timeout) if d is not None]
+    tails = Tails(redis, node=f"replay-{request.id[:8]}")
+    try:
+        deltas = [d async for batch in tail(tails, request.id, deadline=time.time() + target.timeout) if batch is not None for d in batch]
+    finally:
+        await tails.close()
     return request.id, deltas
 
 

@@ -14,7 +14,7 @@ class Frame:
     event: str | None = None
     comment: str | None = None  # an SSE comment line (keep-alive where the protocol has no ping event)
 
-    def to_sse(self, position: int | None = None) -> bytes:
+    def to_sse(self, position: int | str | None = None) -> bytes:
         """The exact bytes on the wire, `id:` first when the frame has a stream position (encoders.wire),
         in blacksheep's order (used by tests and `met replay --encode-only`)."""
         head = f"id: {position}\n" if position is not None else ""

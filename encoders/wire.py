@@ -1,5 +1,10 @@
-"""The thin wire module beside the pure encoders: reads a request's delta stream from Redis, frames SSE,
-sends keep-alive pings during silence, and turns a vanished client into a cancel flag.
+"""The thin wire module beside the pure encoders: follows a request's delta stream (through the API
+node's bus.tails hub), frames SSE, sends keep-alive pings during silence, and turns a vanished client
+into a cancel flag.
+
+Batches: everything the hub read for a stream at once is one batch (`Batch`, a list of deltas); its
+frames are encoded together and written to the client in one write (`sse_response`), so a stream the
+client does not keep up with costs one write per batch, not per token.
 
 Resumable streams: every frame an encoder produces gets an SSE `id:`, its position in the stream
 (0, 1, 2…; pings have none). Encoders are pure functions of the request and its deltas, so a stream
@@ -9,11 +14,14 @@ event's `sequence_number`. A stream of several choices (encoders.fan_in) numbers
 on its own and gives every event the positions of all of them, dot-joined (`4.-1.7`): the choices'
 interleaving is not reproducible, but each choice's frames are.
 
+A client that leaves is seen at once, not polled: `Presence` runs one task per connection awaiting
+the ASGI `receive()`, which yields `http.disconnect` when the connection closes, and wakes the
+stream's subscriptions (the ASGI server drops writes to a closed connection silently).
+
 Keep-alive comments (`: ping`, on the protocols with no ping event) go out as the comment line alone,
-without the blank line that ends an SSE event (`sse_response`): the last event id is sticky (WHATWG
+without the blank line that ends an SSE event (`Event.wire`): the last event id is sticky (WHATWG
 SSE, "dispatch the event"), so after any event with an `id:` a blank line dispatches an event with
-empty data, which the openai SDK parses as JSON and fails on. blacksheep's writer always ends a frame
-with a blank line, hence the few lines of our own here.
+empty data, which the openai SDK parses as JSON and fails on.
 
 Everything protocol-specific is in the encoders; this module only moves their frames.
 """
@@ -25,22 +33,22 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from blacksheep import Response
-from blacksheep.contents import ServerSentEvent, StreamedContent, TextServerSentEvent
-from blacksheep.scribe import write_sse
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from blacksheep.contents import StreamedContent
 
+from bus.tails import Tails
 from encoders.fan_in import Tagged, is_last, tag_terminal
 from encoders.frames import Frame
 from shared import keys
 from shared.codec import delta_of
-from shared.deltas import Error, ErrorKind, StreamDelta, is_terminal
+from shared.deltas import Batch, Error, ErrorKind, StreamDelta, is_terminal
 
 log = logging.getLogger(__name__)
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]  # the ASGI receive callable
 
 
 class StreamEncoder(Protocol):
@@ -49,63 +57,91 @@ class StreamEncoder(Protocol):
 
 
 LOST_REDIS = "This server lost its connection to the request's stream; the generation goes on: resume the stream (Last-Event-ID) or retry."
+TIMED_OUT = "The request timed out before a worker finished it."
 
 
-async def tail(
-    redis: Redis, request_id: str, *, deadline: float, block_ms: int = 500, retry_s: float = 30.0
-) -> AsyncIterator[StreamDelta | None]:
-    """Yield the request's deltas in order until the terminal one; `None` after each quiet read.
+class Presence:
+    """Whether the client of one HTTP request is still connected, learned without polling: a task awaits
+    the ASGI `receive()` (after the body was read it returns only `http.disconnect`), and on disconnect
+    sets `gone` and calls every waker registered with `on_gone` (the stream's subscriptions), so the
+    response ends at once. `Presence()` (no receive): a client that never leaves (tests, followers)."""
+
+    def __init__(self, receive: Receive | None = None) -> None:
+        self.gone = False
+        self._receive = receive
+        self._wakers: list[Callable[[], None]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def on_gone(self, wake: Callable[[], None]) -> None:
+        self._wakers.append(wake)
+        if self._receive is not None and self._task is None:
+            self._task = asyncio.create_task(self._watch(self._receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        with contextlib.suppress(Exception):  # a receive that fails is a connection that is gone
+            while (await receive()).get("type") != "http.disconnect":
+                pass
+        self.leave()
+
+    def leave(self) -> None:
+        """The client is gone (its connection closed, or a test says so): wake whoever waits for it."""
+        self.gone = True
+        for wake in self._wakers:
+            wake()
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+async def tail(tails: Tails, request_id: str, *, deadline: float, presence: Presence | None = None) -> AsyncIterator[Batch | None]:
+    """Yield the request's deltas in batches, in order, until the terminal one; `None` when quiet (about
+    once a second with nothing new, or once its client left: `presence`).
 
     Past `deadline` (unix time) without a terminal event, yield a synthesized timeout Error so no
-    client is left hanging (e.g. no worker is alive to claim the request). A Redis error is this API
-    node's, not the request's: the read is retried from the last id read for up to `retry_s`, then one
-    synthesized Error ends the client's stream (the generation is not cancelled; the stream can be
-    resumed once Redis is back).
+    client is left hanging (e.g. no worker is alive to claim the request). Redis errors are this API
+    node's (bus.tails retries them); only a long outage ends the stream with one synthesized Error
+    (the generation is not cancelled; the stream can be resumed once Redis is back).
     """
-    key = keys.delta_stream(request_id)
-    last = "0-0"
-    failing_since: float | None = None
-    while True:
-        try:
-            reply: Any = await redis.xread({key: last}, count=512, block=block_ms)
-            failing_since = None
-        except RedisError as exc:
-            now = time.monotonic()
-            failing_since = failing_since or now
-            if now - failing_since > retry_s:
-                log.error("giving up tailing %s after %.0f s of redis errors: %s", request_id, retry_s, type(exc).__name__)
-                yield Error(message=LOST_REDIS, kind=ErrorKind.INTERNAL, attempt=0)
+    sub = tails.subscribe(keys.delta_stream(request_id))
+    if presence is not None:
+        presence.on_gone(sub.wake)
+    try:
+        while True:
+            entries = await sub.take()
+            if sub.error:
+                yield [Error(message=LOST_REDIS, kind=ErrorKind.INTERNAL, attempt=0)]
                 return
-            await asyncio.sleep(min(0.5, retry_s / 10))
-            yield None  # keep-alive pings continue while Redis is away
-            continue
-        if not reply:
-            if time.time() > deadline:
-                yield Error(message="The request timed out before a worker finished it.", kind=ErrorKind.TIMEOUT, attempt=0)
-                return
-            yield None
-            continue
-        for _stream, entries in reply:
-            for entry_id, fields in entries:
-                last = entry_id
+            batch: Batch = []
+            for _entry_id, fields in entries:
                 delta = delta_of(fields)
                 if delta is None:
                     continue  # the marker that created the stream
-                yield delta
+                batch.append(delta)
                 if is_terminal(delta):
+                    yield batch
                     return
+            if batch:
+                yield batch
+            elif time.time() > deadline:
+                yield [Error(message=TIMED_OUT, kind=ErrorKind.TIMEOUT, attempt=0)]
+                return
+            else:
+                yield None
+    finally:
+        tails.unsubscribe(sub)
 
 
-async def fan_in(tails: list[AsyncIterator[StreamDelta | None]]) -> AsyncIterator[Tagged | None]:
+async def fan_in(tails: list[AsyncIterator[Batch | None]]) -> AsyncIterator[list[Tagged] | None]:
     """Several choices' delta streams as one, in arrival order, each delta tagged with its choice; the
-    last one yielded is marked (every choice ended, or one failed). Each tail is read by its own task
-    (one slot each on a cluster: the choices' keys hash apart); they stop when this generator closes."""
-    queue: asyncio.Queue[tuple[int, StreamDelta | Exception | None]] = asyncio.Queue()
+    last one yielded is marked (every choice ended, or one failed). Each tail is read by its own task;
+    they stop when this generator closes."""
+    queue: asyncio.Queue[tuple[int, Batch | Exception | None]] = asyncio.Queue()
 
-    async def pump(slot: int, deltas: AsyncIterator[StreamDelta | None]) -> None:
+    async def pump(slot: int, deltas: AsyncIterator[Batch | None]) -> None:
         try:
-            async for delta in deltas:
-                await queue.put((slot, delta))
+            async for batch in deltas:
+                await queue.put((slot, batch))
         except Exception as exc:  # re-raised by the reader, as a single tail's would be
             await queue.put((slot, exc))
 
@@ -119,9 +155,9 @@ async def fan_in(tails: list[AsyncIterator[StreamDelta | None]]) -> AsyncIterato
             if item is None:
                 yield None
                 continue
-            tagged = tag_terminal(slot, item, done, len(tails))
+            tagged = [tag_terminal(slot, delta, done, len(tails)) for delta in item]
             yield tagged
-            if tagged.last:
+            if any(t.last for t in tagged):
                 return
     finally:
         for task in tasks:
@@ -129,29 +165,42 @@ async def fan_in(tails: list[AsyncIterator[StreamDelta | None]]) -> AsyncIterato
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def write_event(event: ServerSentEvent) -> bytes:
-    """An event's bytes (blacksheep's writer), except a keep-alive: an event that is only a comment
-    goes out as its comment line with no blank line after it, so it dispatches no event. The `openai`
-    SDKs' decoder yields an event at every blank line once any `id:` was seen (the last event id
-    persists, per the SSE spec) and fails to parse its empty data; a dangling comment line is skipped by
-    every parser and still keeps proxies and clients from timing the stream out."""
-    if event.comment and not (event.data or event.event or event.id):
-        return b"".join(b": " + line.encode() + b"\n" for line in event.comment.splitlines())
-    return bytes(write_sse(event))
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One SSE event: an encoder frame and its position (`id:`), or a keep-alive (no position)."""
+
+    frame: Frame
+    id: str | None = None
+
+    @property
+    def event(self) -> str | None:
+        return self.frame.event
+
+    @property
+    def data(self) -> str:
+        return self.frame.data
+
+    def wire(self) -> bytes:
+        """The event's bytes. A keep-alive that is only a comment goes out as its comment line with no blank
+        line after it, so it dispatches no event: the `openai` SDKs' decoder yields an event at every blank
+        line once any `id:` was seen (the last event id persists, per the SSE spec) and fails to parse its
+        empty data; a dangling comment line is skipped by every parser and still keeps proxies and clients
+        from timing the stream out."""
+        frame = self.frame
+        if frame.comment and not (frame.data or frame.event or self.id):
+            return b"".join(b": " + line.encode() + b"\n" for line in frame.comment.splitlines())
+        return frame.to_sse(self.id)
 
 
-def sse_response(events: AsyncIterator[ServerSentEvent], headers: list[tuple[bytes, bytes]]) -> Response:
-    """A `text/event-stream` response of these events (written by `write_event`)."""
+def sse_response(batches: AsyncIterator[list[Event]], headers: list[tuple[bytes, bytes]]) -> Response:
+    """A `text/event-stream` response: each batch of events in one write."""
 
     async def body() -> AsyncIterator[bytes]:
-        async for event in events:
-            yield write_event(event)
+        async for batch in batches:
+            if batch:
+                yield b"".join([event.wire() for event in batch])
 
     return Response(200, headers, StreamedContent(b"text/event-stream", body))
-
-
-def to_sse(frame: Frame, position: int | str | None = None) -> TextServerSentEvent:
-    return TextServerSentEvent(frame.data, event=frame.event, comment=frame.comment, id=None if position is None else str(position))
 
 
 class Numbered:
@@ -163,12 +212,12 @@ class Numbered:
         self.skip = skip
         self.position = -1
 
-    def send(self, frames: list[Frame]) -> list[TextServerSentEvent]:
+    def send(self, frames: list[Frame]) -> list[Event]:
         out = []
         for frame in frames:
             self.position += 1
             if self.position > self.skip:
-                out.append(to_sse(frame, self.position))
+                out.append(Event(frame, str(self.position)))
         return out
 
 
@@ -184,19 +233,19 @@ class Slotted:
         self.skip = skip or (-1,) * slots
         self.positions = [-1] * slots
 
-    def send(self, frames: list[tuple[int, Frame]]) -> list[TextServerSentEvent]:
+    def send(self, frames: list[tuple[int, Frame]]) -> list[Event]:
         out = []
         for slot, frame in frames:
             self.positions[slot] += 1
             if self.positions[slot] > self.skip[slot]:
-                out.append(to_sse(frame, ".".join(str(max(p, s)) for p, s in zip(self.positions, self.skip, strict=True))))
+                out.append(Event(frame, ".".join(str(max(p, s)) for p, s in zip(self.positions, self.skip, strict=True))))
         return out
 
 
 class Numbering(Protocol):
     """How a stream's frames become events (their ids, what a resume skips), and its last delta."""
 
-    def send(self, frames: Any) -> list[TextServerSentEvent]: ...
+    def send(self, frames: Any) -> list[Event]: ...
     def terminal(self, delta: Any) -> bool: ...
 
 
@@ -209,11 +258,19 @@ class Encoder(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ClientLink:
-    """How the wire learns the client is gone, and what to do then (flag the cancel)."""
+    """Whether the client is there (`presence`), and what to do when it left before the end (flag the cancel)."""
 
-    is_disconnected: Callable[[], Awaitable[bool]]
+    presence: Presence
     on_abandon: Callable[[], Awaitable[None]]
-    check_every: float = 0.25
+
+
+@dataclass(slots=True)
+class _Pacing:
+    ping_interval: float
+    last_sent: float = field(default_factory=time.monotonic)
+
+    def due(self, now: float) -> bool:
+        return now - self.last_sent >= self.ping_interval
 
 
 async def sse_events(
@@ -224,39 +281,38 @@ async def sse_events(
     ping_interval: float,
     client: ClientLink,
     numbering: Numbering | None = None,
-) -> AsyncIterator[TextServerSentEvent]:
-    """Encode deltas as SSE, pinging after `ping_interval` of silence; frames at positions up to the
-    numbering's skip (a resumed stream's Last-Event-ID) are encoded but not sent (default: `Numbered()`,
-    nothing skipped; a stream of several choices has `Slotted`). The ASGI server drops writes to a
-    closed connection silently, so the client is polled; if it is gone before the terminal event, stop
-    and call `on_abandon` (which flags the cancel the worker acts on, after the resume grace)."""
-    completed = False
+) -> AsyncIterator[list[Event]]:
+    """Encode batches of deltas as batches of SSE events, pinging after `ping_interval` of silence;
+    frames at positions up to the numbering's skip (a resumed stream's Last-Event-ID) are encoded but
+    not sent (default: `Numbered()`, nothing skipped; a stream of several choices has `Slotted`). If
+    the client is gone before the terminal event, stop and call `on_abandon` (which flags the cancel
+    the worker acts on, after the resume grace)."""
     numbered = numbering or Numbered()
-    last_sent = last_check = time.monotonic()
+    pacing = _Pacing(ping_interval)
+    presence = client.presence
+    completed = False
     try:
-        async for delta in deltas:
-            now = time.monotonic()
-            if now - last_check >= client.check_every:
-                last_check = now
-                if await client.is_disconnected():
-                    break
-            if delta is None:
-                if now - last_sent < ping_interval:
-                    continue
-                for frame in ping() or [Frame("", comment="ping")]:
-                    yield to_sse(frame)
-                last_sent = now
+        async for batch in deltas:
+            if presence.gone:
+                break
+            if batch is None:
+                now = time.monotonic()
+                if pacing.due(now):
+                    yield [Event(frame) for frame in ping() or [Frame("", comment="ping")]]
+                    pacing.last_sent = now
                 continue
-            completed = numbered.terminal(delta)
-            events = numbered.send(encoder.feed(delta))
-            for event in events:
-                yield event
-            if events:
-                last_sent = now
+            out, completed = _encode(batch, encoder, numbered)
+            if out:
+                pacing.last_sent = time.monotonic()
+                yield out
+            if completed:
+                return
         else:
-            for event in numbered.send(encoder.finish()):
-                yield event
+            finish = numbered.send(encoder.finish())
+            if finish:
+                yield finish
     finally:
+        presence.stop()
         if not completed:
             await asyncio.shield(client.on_abandon())
         close = getattr(deltas, "aclose", None)
@@ -265,23 +321,29 @@ async def sse_events(
                 await close()
 
 
-async def collect(deltas: AsyncIterator[StreamDelta | None], *, client: ClientLink) -> list[StreamDelta]:
+def _encode(batch: list[Any], encoder: Encoder, numbered: Numbering) -> tuple[list[Event], bool]:
+    """A batch's events, and whether it held the stream's last delta (then the encoder's closing frames follow)."""
+    out: list[Event] = []
+    for delta in batch:
+        out += numbered.send(encoder.feed(delta))
+        if numbered.terminal(delta):
+            return out + numbered.send(encoder.finish()), True
+    return out, False
+
+
+async def collect(deltas: AsyncIterator[Batch | None], *, client: ClientLink) -> list[StreamDelta]:
     """Gather a non-streaming request's deltas; a client that disconnects meanwhile cancels it."""
-
-    async def gather() -> list[StreamDelta]:
-        return [d async for d in deltas if d is not None]
-
-    task = asyncio.ensure_future(gather())
+    gathered: list[StreamDelta] = []
     try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=client.check_every)
-            if not task.done() and await client.is_disconnected():
-                task.cancel()
+        async for batch in deltas:
+            if client.presence.gone:
                 await client.on_abandon()
                 break
-        return await task
+            if batch is not None:
+                gathered += batch
     finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        client.presence.stop()
+        close = getattr(deltas, "aclose", None)
+        if close is not None:
+            await close()
+    return gathered

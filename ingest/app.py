@@ -25,12 +25,12 @@ from typing import Any
 import orjson
 from blacksheep import Application, Content, Response
 from blacksheep import Request as HttpRequest
-from blacksheep.contents import TextServerSentEvent
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from bus.connect import connect
-from encoders.wire import ClientLink, Numbered, Slotted, StreamEncoder, collect, fan_in, sse_events, sse_response, tail
+from bus.tails import Tails
+from encoders.wire import ClientLink, Event, Numbered, Presence, Slotted, StreamEncoder, collect, fan_in, sse_events, sse_response, tail
 from ingest import anthropic_messages, responses_store, resume, tokenize
 from ingest.auth import CALLER, Authenticator, caller_of
 from ingest.batch_dispatch import BatchDispatcher
@@ -46,7 +46,7 @@ from ingest.surfaces import SURFACES, Surface
 from ingest.tokenizing import Tokenizing
 from models.prompt import PromptRenderer
 from shared import keys
-from shared.deltas import StreamDelta
+from shared.deltas import Batch, StreamDelta
 from shared.errors import ApiError, invalid
 from shared.ir import ImagePart, Protocol, Request
 from shared.redact import redact
@@ -71,7 +71,9 @@ class Api:
         self.settings = settings
         self.renderer = renderer
         self.model_name = settings.served_model_name or renderer.info.name
-        self.redis: Redis = connect(settings.redis_url or "redis://127.0.0.1:6379")
+        self.redis: Redis = connect(settings.redis_url or "redis://127.0.0.1:6379", max_connections=settings.redis_max_connections)
+        self.node_id = f"{socket.gethostname()}-{os.getpid()}-{new_id()[:6]}"
+        self.tails = Tails(self.redis, node=self.node_id)  # every stream this node answers is read through these readers
         self.started = int(time.time())
         self.draining = False  # set on shutdown: /ready turns 503 before anything stops
         self.open_streams = 0  # SSE responses in progress on this node
@@ -147,30 +149,40 @@ class Api:
             log.error("redis unavailable: %s", type(exc).__name__)
             raise ApiError("The request queue is unavailable; try again shortly.", status=503, kind="unavailable", code="queue_unavailable") from None
 
-    def deltas(self, request: Request, http: HttpRequest) -> Any:
-        deadline = request.created + self.settings.request_timeout + 30
-        return self.metrics.observe(tail(self.redis, request.id, deadline=deadline), request, client=http.client_ip)
+    def deadline(self, request: Request) -> float:
+        """When a stream with no terminal event yet ends with a timeout error (a worker's own deadline is `request_timeout`)."""
+        return request.created + self.settings.request_timeout + 30
 
-    def client_link(self, http: HttpRequest, request: Request) -> ClientLink:
+    @staticmethod
+    def presence(http: HttpRequest) -> Presence:
+        """Whether this HTTP request's client is still connected (one watcher per request, shared by its parts)."""
+        content: Any = http.content
+        return Presence(getattr(content, "receive", None))
+
+    def deltas(self, request: Request, http: HttpRequest, presence: Presence | None = None) -> AsyncIterator[Batch | None]:
+        deltas = tail(self.tails, request.id, deadline=self.deadline(request), presence=presence)
+        return self.metrics.observe(deltas, request, client=http.client_ip)
+
+    def client_link(self, presence: Presence, request: Request) -> ClientLink:
         async def abandon() -> None:
             await cancel(self.redis, request.id)
 
-        return ClientLink(is_disconnected=http.is_disconnected, on_abandon=abandon)
+        return ClientLink(presence=presence, on_abandon=abandon)
 
     def stream(
         self,
-        http: HttpRequest,
         request: Request,
         surface: Surface,
         *,
-        deltas: AsyncIterator[StreamDelta | None],
+        deltas: AsyncIterator[Batch | None],
+        presence: Presence,
         skip: int = -1,
         detached: bool = False,
     ) -> Response:
         """SSE for a stream, resumable (ingest.resume): a client that leaves gets `--resume-grace-s` to
         come back before the generation is cancelled; a background one is never cancelled by leaving."""
         abandon = _nothing if detached else resume.graceful_cancel(self.redis, request.id, self.settings.resume_grace_s)
-        link = ClientLink(is_disconnected=http.is_disconnected, on_abandon=abandon)
+        link = ClientLink(presence=presence, on_abandon=abandon)
         encoder: StreamEncoder = surface.stream_encoder(request)
         events = sse_events(
             deltas, encoder, ping=surface.ping(encoder), ping_interval=self.settings.ping_interval, client=link, numbering=Numbered(skip)
@@ -184,19 +196,22 @@ class Api:
         part's delta stream (encoders.fan_in), resumable as one stream under `request_id`."""
         assert surface.choices_encoder is not None  # the parsers let several choices through only where one exists
         abandon = resume.graceful_cancel(self.redis, request_id, self.settings.resume_grace_s, [p.id for p in parts])
-        link = ClientLink(is_disconnected=http.is_disconnected, on_abandon=abandon)
+        presence = self.presence(http)
+        link = ClientLink(presence=presence, on_abandon=abandon)
         encoder = surface.choices_encoder(replace(parts[0], id=request_id), parts)
-        deadline = parts[0].created + self.settings.request_timeout + 30
         observed = skip is None  # a resumed stream was observed (metrics) on its first connection
-        deltas = fan_in([self.deltas(part, http) if observed else tail(self.redis, part.id, deadline=deadline) for part in parts])
+        tails = [
+            self.deltas(part, http, presence) if observed else tail(self.tails, part.id, deadline=self.deadline(part), presence=presence) for part in parts
+        ]
+        deltas = fan_in(tails)
         numbering = Slotted(len(parts) + 1, skip)
         events = sse_events(
             deltas, encoder, ping=surface.ping(encoder), ping_interval=self.settings.ping_interval, client=link, numbering=numbering
         )
         return self._sse(request_id, events)
 
-    def _sse(self, request_id: str, stream: AsyncIterator[TextServerSentEvent]) -> Response:
-        async def events() -> AsyncIterator[TextServerSentEvent]:
+    def _sse(self, request_id: str, stream: AsyncIterator[list[Event]]) -> Response:
+        async def events() -> AsyncIterator[list[Event]]:
             self.open_streams += 1  # a draining node waits for these (cli.serve)
             try:
                 async for event in stream:
@@ -209,8 +224,8 @@ class Api:
             headers=[(b"Cache-Control", b"no-cache"), (b"X-Accel-Buffering", b"no"), (b"X-Request-Id", request_id.encode())],
         )
 
-    async def collect(self, http: HttpRequest, request: Request) -> list[StreamDelta]:
-        return await collect(self.deltas(request, http), client=self.client_link(http, request))
+    async def collect(self, http: HttpRequest, request: Request, presence: Presence) -> list[StreamDelta]:
+        return await collect(self.deltas(request, http, presence), client=self.client_link(presence, request))
 
     # ---- routes -------------------------------------------------------------------------------
 
@@ -281,10 +296,13 @@ class Api:
                 self.redis, request.id, [p.id for p in parts], ttl=self.settings.dump_ttl + int(self.settings.request_timeout)
             )
             return self.stream_choices(http, request.id, surface, parts)
+        presence = self.presence(http)
         if request.stream:
-            deltas = self.deltas(request, http) if store is None else recording(self.deltas(request, http), partial(store, request))
-            return self.stream(http, request, surface, deltas=deltas, detached=background)
-        collected = await asyncio.gather(*(self.collect(http, part) for part in parts))
+            deltas = self.deltas(request, http, presence)
+            if store is not None:
+                deltas = recording(deltas, partial(store, request))
+            return self.stream(request, surface, deltas=deltas, presence=presence, detached=background)
+        collected = await asyncio.gather(*(self.collect(http, part, presence) for part in parts))
         accs = []
         for part, deltas_of_part in zip(parts, collected, strict=True):
             acc = surface.accumulator(part)
@@ -426,7 +444,7 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     app.router.fallback = guarded(api, None, not_found)
 
     stop_dispatch = asyncio.Event()
-    dispatcher = BatchDispatcher(api.redis, settings, lines, node_id=f"{socket.gethostname()}-{os.getpid()}-{new_id()[:6]}")
+    dispatcher = BatchDispatcher(api.redis, settings, lines, node_id=api.node_id)
     tasks: list[asyncio.Task[None]] = []
 
     async def load_seal() -> None:
@@ -446,6 +464,7 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
         stop_dispatch.set()
         tasks[0].cancel()  # the seal loader, if Redis never came up
         await asyncio.gather(*tasks, return_exceptions=True)
+        await api.tails.close()
         await api.redis.aclose()
         api.tokenizing.close()
 

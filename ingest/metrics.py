@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 from ingest.request_log import RequestTiming, log_finished
 from shared import keys
 from shared.codec import Meta
-from shared.deltas import Error, Finish, StreamDelta, is_terminal
+from shared.deltas import Batch, Error, Finish, StreamDelta, is_terminal
 from shared.ir import Request
 
 log = logging.getLogger(__name__)
@@ -172,25 +172,26 @@ class Metrics:
     def http_error(self, status: int) -> None:
         self.http_errors.labels(str(status)).inc()
 
-    async def observe(self, deltas: AsyncIterator[StreamDelta | None], request: Request, *, client: str = "") -> AsyncIterator[StreamDelta | None]:
-        """Pass `deltas` through unchanged, timing them; a stream left before its terminal event counts as
-        'abandoned'. Either way the request's access-log line is written (ingest/request_log.py)."""
+    async def observe(self, deltas: AsyncIterator[Batch | None], request: Request, *, client: str = "") -> AsyncIterator[Batch | None]:
+        """Pass batches of `deltas` through unchanged, timing them; a stream left before its terminal event
+        counts as 'abandoned'. Either way the request's access-log line is written (ingest/request_log.py)."""
         last: float | None = None
         timing = RequestTiming(client=client)
         terminal: StreamDelta | None = None
         try:
-            async for delta in deltas:
-                if delta is not None:
+            async for batch in deltas:
+                if batch is not None:
                     now = time.time()
-                    if is_terminal(delta):
-                        terminal = delta
-                        log_finished(request, delta, timing, now=now)
-                        await self._finish(request, delta, now)
-                    else:
-                        timing.output_tokens += len(getattr(delta, "token_ids", ()))
-                        last = self._token(request, delta, now, last)
-                        timing.first_at = timing.first_at or now
-                yield delta
+                    for delta in batch:
+                        if is_terminal(delta):
+                            terminal = delta
+                            log_finished(request, delta, timing, now=now)
+                            await self._finish(request, delta, now)
+                        else:
+                            timing.output_tokens += len(getattr(delta, "token_ids", ()))
+                            last = self._token(request, delta, now, last)
+                            timing.first_at = timing.first_at or now
+                yield batch
         finally:
             if terminal is None:
                 self.requests.labels(request.protocol.value, "abandoned").inc()

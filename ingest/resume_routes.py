@@ -23,7 +23,7 @@ from ingest import responses_store, resume
 from ingest.auth import caller_of
 from ingest.responses_store import Saver
 from ingest.surfaces import RESPONSES, Surface
-from shared.deltas import StreamDelta, is_terminal
+from shared.deltas import Batch, StreamDelta, is_terminal
 from shared.errors import ApiError, invalid
 from shared.ir import Request
 
@@ -37,9 +37,10 @@ async def resume_stream(api: Api, http: HttpRequest, surface: Surface, request_i
     if not (request.stream or background):
         raise invalid(f"Request '{request_id}' was not streamed; nothing to resume.", "X-Request-Id", "not_a_stream")
     await resume.attach(api.redis, request_id)
-    deltas = tail(api.redis, request_id, deadline=request.created + api.settings.request_timeout + 30)
+    presence = api.presence(http)
+    deltas = tail(api.tails, request_id, deadline=api.deadline(request), presence=presence)
     detached = background or surface.background(orjson.loads(request.raw_body) if request.raw_body else {})
-    return api.stream(http, request, surface, deltas=deltas, skip=after, detached=detached)
+    return api.stream(request, surface, deltas=deltas, skip=after, detached=detached, presence=presence)
 
 
 async def resume_choices(api: Api, http: HttpRequest, surface: Surface, request_id: str, part_ids: list[str], last_event_id: str) -> Response:
@@ -87,9 +88,9 @@ class Followers:
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def follow(self, deltas: AsyncIterator[StreamDelta | None], request: Request, store: Saver | None) -> None:
+    def follow(self, deltas: AsyncIterator[Batch | None], request: Request, store: Saver | None) -> None:
         async def run() -> None:
-            seen = [d async for d in deltas if d is not None]
+            seen = [d async for batch in deltas if batch is not None for d in batch]
             if store is not None:
                 await store(request, seen)
 
@@ -99,16 +100,16 @@ class Followers:
 
 
 async def recording(
-    deltas: AsyncIterator[StreamDelta | None], on_terminal: Callable[[list[StreamDelta]], Awaitable[None]]
-) -> AsyncIterator[StreamDelta | None]:
-    """Pass deltas through, and hand the whole list to `on_terminal` once the terminal one passed."""
+    deltas: AsyncIterator[Batch | None], on_terminal: Callable[[list[StreamDelta]], Awaitable[None]]
+) -> AsyncIterator[Batch | None]:
+    """Pass batches of deltas through, and hand the whole list to `on_terminal` once the terminal one passed."""
     seen: list[StreamDelta] = []
-    async for delta in deltas:
-        if delta is not None:
-            seen.append(delta)
-            if is_terminal(delta):
+    async for batch in deltas:
+        if batch is not None:
+            seen += batch
+            if any(is_terminal(d) for d in batch):
                 await on_terminal(seen)
-        yield delta
+        yield batch
 
 
 def _route_value(http: HttpRequest, name: str) -> str:

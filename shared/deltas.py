@@ -208,5 +208,7 @@ StreamDelta = Content | Reasoning | ToolCallStart | ToolCallArgs | Refusal | Fin
 TERMINAL = (Finish, Error)
 
 
+Batch = list[StreamDelta]  # deltas read from a stream together (encoders.wire encodes and writes them as one)
+
 def is_terminal(delta: StreamDelta) -> bool:
     return isinstance(delta, TERMINAL)

@@ -1,11 +1,15 @@
 """Every Redis key and stream name, built in one place.
 
-Per-request keys share the hash tag `{req:<id>}` so they land in one cluster slot; each carries a
-TTL only after its terminal event (set by the worker that wrote it). Each name below says who
-writes it and who reads it.
+Per-request keys share the hash tag of their request's shard, `{req:<shard>}` (`request_shard`: 64
+shards), so all of a request's keys land in one cluster slot (its Lua scripts stay single-slot) and so
+do the delta streams of every request of a shard: an API node reads many streams in one XREAD, which a
+cluster allows only within one slot (bus.tails). Each per-request key carries a TTL only after its
+terminal event (set by the worker that wrote it). Each name below says who writes it and who reads it.
 """
 
 from __future__ import annotations
+
+import zlib
 
 PREFIX = "met"
 
@@ -67,8 +71,35 @@ def stored_response(response_id: str) -> str:
     return f"{PREFIX}:response:{response_id}"
 
 
+REQUEST_SHARDS = 64  # hash slots the per-request keys spread over on a cluster (each shard: one slot)
+
+
+def request_shard(request_id: str) -> int:
+    """The request's shard: which of REQUEST_SHARDS hash tags its keys carry."""
+    return zlib.crc32(request_id.encode()) % REQUEST_SHARDS
+
+
 def _tag(request_id: str) -> str:
-    return "{req:" + request_id + "}"
+    return f"{{req:{request_shard(request_id):02x}}}:{request_id}"
+
+
+def hash_tag(key: str) -> str:
+    """The part of `key` a Redis Cluster hashes: between its first `{` and the next `}` (the whole key
+    when there is none, or it is empty)."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1 : end]
+    return key
+
+
+def tail_doorbell(node: str, reader: str) -> str:
+    """A one-entry stream that wakes one of an API node's delta-stream readers (bus.tails) when the set of
+    streams it reads changes: named in each of its XREAD calls. `reader` is the reader's index on a single
+    server, or the hash tag it reads on a cluster (the doorbell must share the slot of the streams).
+    Writer and reader: that node's bus.tails. Expires a day after its last ring."""
+    return f"{PREFIX}:tails:{{{reader}}}:{node}"
 
 
 def delta_stream(request_id: str) -> str:

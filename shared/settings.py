@@ -27,6 +27,7 @@ QUANTIZATIONS = ("none", "int4", "auto")  # --quantization (workers.quant)
 class Settings:
     redis_url: str | None = None  # None: `met serve` starts an embedded redis-server
     redis_cluster: bool = False  # redis_url names a Redis Cluster node (same as a redis+cluster:// URL)
+    redis_max_connections: int = 64  # a process's Redis connections (single server); a command finding all busy waits (bus.connect)
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = DEFAULT_MODEL
@@ -34,7 +35,8 @@ class Settings:
     device: str = "auto"
     dtype: str = "bfloat16"
     batch_invariant: bool = False  # decode rows keep bf16 projections on a CPU without native bf16 (workers.runner.TorchRunner.wide_mode)
-    model_impl: str = "auto"  # auto (lean where supported, else hf) | lean (ours, Llama family) | hf (transformers' forward); see workers.runner
+    model_impl: str = "auto"  # auto (lean where supported, else hf) | lean (ours, Llama family) | hf (transformers' forward) | sim (no model: workers.sim); see workers.runner
+    sim_step_ms: float = 20.0  # --model-impl sim: what one step waits (an accelerator's forward, no CPU)
     quantization: str = "none"  # none | auto (int4 where lossless: the weights already are 4-bit, as the default model's Q4_1) | int4 (forced): workers.quant
     workers: int = 1
     data_dir: str = ""  # embedded Redis data and the redis.url file

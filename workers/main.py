@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from bus.connect import connect
+from bus.connect import DEFAULT_MAX_CONNECTIONS, connect
 from models.files import local_folder
 from models.generation import sampling_defaults
 from models.prompt import PromptRenderer
@@ -33,13 +33,15 @@ T = TypeVar("T")
 
 
 def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
-    from workers.prompt_logprobs import score_prompt
-    from workers.runner import TorchRunner, load_model, pick_device, pick_dtype
-
     name, folder = local_folder(settings.model, settings.model_cache)
     renderer = PromptRenderer.load(folder, name=name, max_model_len=settings.max_model_len)
     renderer.info = replace(renderer.info, sampling_defaults=sampling_defaults(settings, renderer.info.sampling_defaults))
     log.info("sampling defaults (a request's own values win): %s", renderer.info.sampling_defaults or "none (fallback)")
+    if settings.model_impl == "sim":
+        return _simulated_engine(settings, renderer, name)
+    from workers.prompt_logprobs import score_prompt
+    from workers.runner import TorchRunner, load_model, pick_device, pick_dtype
+
     device, dtype = pick_device(settings.device), pick_dtype(settings.dtype)
     model = load_model(folder, device=device, dtype=dtype)
     runner = TorchRunner(
@@ -70,6 +72,26 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         "kv_blocks": str(runner.num_blocks),
         "kv_block_size": str(runner.block_size),
         "kv_bytes": str(runner.kv_bytes),
+        "max_model_len": str(renderer.info.max_model_len),
+    }
+    return engine, info
+
+
+def _simulated_engine(settings: Settings, renderer: PromptRenderer, name: str) -> tuple[Engine, dict[str, str]]:
+    """`--model-impl sim` (workers/sim.py): the engine on a runner that waits instead of computing."""
+    from workers.sim import SimRunner
+
+    runner = SimRunner(renderer.tokenizer, max_len=renderer.info.max_model_len, step_s=settings.sim_step_ms / 1000)
+    engine = Engine(runner, renderer.tokenizer, renderer.info, settings=settings)
+    log.warning("simulated engine: no model runs; every step waits %.1f ms and emits text from a fixed passage", settings.sim_step_ms)
+    info = {
+        "model": settings.served_model_name or name,
+        "device": "sim",
+        "dtype": "",
+        "model_impl": "sim",
+        "kv_blocks": str(runner.num_blocks),
+        "kv_block_size": str(runner.block_size),
+        "kv_bytes": "0",
         "max_model_len": str(renderer.info.max_model_len),
     }
     return engine, info
@@ -106,10 +128,10 @@ def keep_freed_memory() -> bool:
     return done
 
 
-def redis_client(url: str) -> Redis:
+def redis_client(url: str, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> Redis:
     """The worker's client: one quick retry per command (bus.connect.quick_retry) and a short connect
     timeout. The loop rides out a longer outage itself (workers.loop), stepping on while it waits."""
-    return connect(url, socket_connect_timeout=2.0)
+    return connect(url, max_connections=max_connections, socket_connect_timeout=2.0)
 
 
 async def run_worker(settings: Settings) -> None:
@@ -123,7 +145,7 @@ async def run_worker(settings: Settings) -> None:
         return
     engine, info, stepper = await load_engine(settings)
     keep_freed_memory()
-    redis = redis_client(settings.redis_url)
+    redis = redis_client(settings.redis_url, settings.redis_max_connections)
     engine.sealer = await _until_redis_answers(lambda: load_sealer(redis, keys.SEAL_KEY))
     loop = WorkerLoop(redis, engine, settings=settings, worker_id=worker_id, info=info, stepper=stepper)
     log.info("worker %s ready: %s", worker_id, info)
@@ -155,7 +177,7 @@ async def _run_gateway(settings: Settings, *, worker_id: str, stop: asyncio.Even
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
-    redis = redis_client(settings.redis_url)
+    redis = redis_client(settings.redis_url, settings.redis_max_connections)
     try:
         await run_gateway(redis, settings, worker_id=worker_id, model=settings.served_model_name or name, stop=stop, count_tokens=count_tokens)
     finally:

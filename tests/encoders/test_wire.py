@@ -1,9 +1,11 @@
-"""The wire module against a real Redis: tailing, keep-alive pings in silence, disconnect → abandon."""
+"""The wire module against a real Redis: tailing through a bus.tails hub, keep-alive pings in silence,
+disconnect → abandon."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -13,15 +15,24 @@ import pytest
 from openai.types.chat import ChatCompletionChunk
 from redis.asyncio import Redis
 
+from bus.tails import Pace, Tails
 from cli.embedded_redis import EmbeddedRedis
 from encoders.anthropic_messages import MessagesStreamEncoder
 from encoders.openai_chat import ChatStreamEncoder
-from encoders.wire import LOST_REDIS, ClientLink, Numbered, sse_events, sse_response, tail
+from encoders.wire import LOST_REDIS, ClientLink, Event, Numbered, Presence, sse_events, sse_response, tail
 from shared import keys
 from shared.codec import encode_delta
 from shared.ir import Protocol
 
 from .recorded import SCENARIOS, request
+
+
+def hub(redis: Redis, **pace: float) -> Tails:
+    return Tails(redis, node=f"test-{time.monotonic_ns()}", pace=Pace(**{"quiet_s": 0.1, **pace}))  # type: ignore[arg-type]
+
+
+async def flat(batches: AsyncIterator[list[Event]]) -> list[Event]:
+    return [event async for batch in batches for event in batch]
 
 
 async def write_slowly(redis: Redis, rid: str, pause: float) -> None:
@@ -38,17 +49,16 @@ def test_anthropic_pings_during_silence_and_ends_after_the_terminal_event(redis_
         encoder = MessagesStreamEncoder(req)
         abandoned: list[bool] = []
 
-        async def gone() -> bool:
-            return False
-
         async def abandon() -> None:
             abandoned.append(True)
 
         writer = asyncio.create_task(write_slowly(redis, req.id, pause=1.0))
-        deltas = tail(redis, req.id, deadline=time.time() + 30, block_ms=100)
-        link = ClientLink(is_disconnected=gone, on_abandon=abandon)
-        events = [(e.event, e.data) async for e in sse_events(deltas, encoder, ping=lambda: [encoder.ping()], ping_interval=0.3, client=link)]
+        tails = hub(redis)
+        deltas = tail(tails, req.id, deadline=time.time() + 30)
+        link = ClientLink(presence=Presence(), on_abandon=abandon)
+        events = [(e.event, e.data) for e in await flat(sse_events(deltas, encoder, ping=lambda: [encoder.ping()], ping_interval=0.3, client=link))]
         await writer
+        await tails.close()
         await redis.aclose()
         assert not abandoned
         return events
@@ -70,20 +80,19 @@ def test_keep_alives_between_numbered_chat_events_pass_the_openai_sdk_decoder(re
         redis = Redis.from_url(redis_server)
         req = request(Protocol.OPENAI_CHAT, id=f"ka-{time.monotonic_ns()}", stream=True)
 
-        async def gone() -> bool:
-            return False
-
         async def abandon() -> None:
             return None
 
         writer = asyncio.create_task(write_slowly(redis, req.id, pause=1.0))
-        deltas = tail(redis, req.id, deadline=time.time() + 30, block_ms=100)
-        link = ClientLink(is_disconnected=gone, on_abandon=abandon)
+        tails = hub(redis)
+        deltas = tail(tails, req.id, deadline=time.time() + 30)
+        link = ClientLink(presence=Presence(), on_abandon=abandon)
         events = sse_events(deltas, ChatStreamEncoder(req), ping=lambda: [], ping_interval=0.3, client=link)
         response = sse_response(events, headers=[])
         assert response.content is not None
         body = b"".join([chunk async for chunk in response.content.get_parts()])
         await writer
+        await tails.close()
         await redis.aclose()
         return body
 
@@ -100,19 +109,21 @@ def test_a_client_that_disconnects_is_abandoned_and_its_stream_stops(redis_serve
         redis = Redis.from_url(redis_server)
         req = request(Protocol.OPENAI_CHAT, id=f"gone-{time.monotonic_ns()}", stream=True)
         abandoned: list[bool] = []
-        started = time.monotonic()
-
-        async def gone() -> bool:
-            return time.monotonic() - started > 0.3
+        presence = Presence()
 
         async def abandon() -> None:
             abandoned.append(True)
 
         writer = asyncio.create_task(write_slowly(redis, req.id, pause=2.0))
-        deltas = tail(redis, req.id, deadline=time.time() + 30, block_ms=100)
-        link = ClientLink(is_disconnected=gone, on_abandon=abandon, check_every=0.05)
-        events = [e async for e in sse_events(deltas, ChatStreamEncoder(req), ping=lambda: [], ping_interval=10, client=link)]
+        asyncio.get_running_loop().call_later(0.3, presence.leave)  # the client hangs up mid-silence
+        tails = hub(redis, quiet_s=30)  # no quiet wake-up: leaving alone must end the wait
+        deltas = tail(tails, req.id, deadline=time.time() + 30, presence=presence)
+        link = ClientLink(presence=presence, on_abandon=abandon)
+        started = time.monotonic()
+        events = await flat(sse_events(deltas, ChatStreamEncoder(req), ping=lambda: [], ping_interval=10, client=link))
+        assert time.monotonic() - started < 1.5  # ended when the client left, not when the next delta came (2 s)
         writer.cancel()
+        await tails.close()
         await redis.aclose()
         return len(events), abandoned
 
@@ -124,7 +135,9 @@ def test_a_client_that_disconnects_is_abandoned_and_its_stream_stops(redis_serve
 def test_no_terminal_event_before_the_deadline_yields_a_timeout_error(redis_server: str) -> None:
     async def scenario() -> list[object]:
         redis = Redis.from_url(redis_server)
-        out = [d async for d in tail(redis, f"nobody-{time.monotonic_ns()}", deadline=time.time() + 0.3, block_ms=100)]
+        tails = hub(redis)
+        out = [d async for batch in tail(tails, f"nobody-{time.monotonic_ns()}", deadline=time.time() + 0.3) if batch for d in batch]
+        await tails.close()
         await redis.aclose()
         return out
 
@@ -144,21 +157,15 @@ def test_every_encoder_frame_has_its_position_as_id_and_a_resumed_stream_sends_e
     async def scenario(skip: int) -> list[bytes]:
         redis = Redis.from_url(redis_server)
 
-        async def here() -> bool:
-            return False
-
         async def abandon() -> None:
             return None
 
-        link = ClientLink(is_disconnected=here, on_abandon=abandon)
-        deltas = tail(redis, req.id, deadline=time.time() + 30, block_ms=100)
+        link = ClientLink(presence=Presence(), on_abandon=abandon)
+        tails = hub(redis)
+        deltas = tail(tails, req.id, deadline=time.time() + 30)
         encoder = MessagesStreamEncoder(req)
-        out = [
-            e
-            async for e in sse_events(
-                deltas, encoder, ping=lambda: [encoder.ping()], ping_interval=10, client=link, numbering=Numbered(skip)
-            )
-        ]
+        out = await flat(sse_events(deltas, encoder, ping=lambda: [encoder.ping()], ping_interval=10, client=link, numbering=Numbered(skip)))
+        await tails.close()
         await redis.aclose()
         return [(e.id or "").encode() + b"|" + e.data.encode() for e in out]
 
@@ -181,9 +188,6 @@ def test_a_redis_restart_mid_tail_is_ridden_out_and_a_long_outage_ends_the_strea
         await redis.xadd(keys.delta_stream(req.id), {"d": encode_delta(deltas[0])})
         abandoned: list[bool] = []
 
-        async def here() -> bool:
-            return False
-
         async def abandon() -> None:
             abandoned.append(True)
 
@@ -200,10 +204,12 @@ def test_a_redis_restart_mid_tail_is_ridden_out_and_a_long_outage_ends_the_strea
             await writer.aclose()
 
         blip = asyncio.create_task(restart())
-        stream = tail(redis, req.id, deadline=time.time() + 60, block_ms=100, retry_s=retry_s)
-        link = ClientLink(is_disconnected=here, on_abandon=abandon)
-        events = [e.data async for e in sse_events(stream, ChatStreamEncoder(req), ping=lambda: [], ping_interval=10, client=link) if e.data]
+        tails = hub(redis, retry_s=retry_s)
+        stream = tail(tails, req.id, deadline=time.time() + 60)
+        link = ClientLink(presence=Presence(), on_abandon=abandon)
+        events = [e.data for e in await flat(sse_events(stream, ChatStreamEncoder(req), ping=lambda: [], ping_interval=10, client=link)) if e.data]
         await blip
+        await tails.close()
         await redis.aclose()
         return events, abandoned
 
