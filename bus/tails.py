@@ -42,7 +42,7 @@ from shared import keys
 
 log = logging.getLogger(__name__)
 
-Entry = tuple[Any, dict[Any, Any]]  # (entry id, fields) as redis-py returns them
+Entry = tuple[bytes, bytes | None]  # (entry id, the value of the hub's field; None for an entry without it)
 
 COUNT = 256  # entries per stream per call (a stream read from its start takes several calls)
 BELL_TTL_S = 86_400
@@ -93,8 +93,10 @@ class Subscription:
 class Tails:
     """The hub: subscribe to a stream, take its entries as they come; a few readers do the reading."""
 
-    def __init__(self, redis: Redis, *, node: str, pace: Pace = Pace()) -> None:  # frozen: one shared default is safe
+    def __init__(self, redis: Redis, *, node: str, field: str, pace: Pace = Pace()) -> None:  # frozen: one shared default is safe
         self.redis = redis
+        self.field = field.encode()  # the one field of each entry handed over (a delta stream's `d`)
+        self._read = _raw_reads(redis)
         self.node = node  # names this process's doorbells
         self.pace = pace
         self._cluster = is_cluster(redis)
@@ -230,7 +232,7 @@ class _Reader:
             streams[self.bell] = self.bell_last
             self._in_call, self._rung = True, False
             try:
-                reply: Any = await self.hub.redis.xread(cast(Any, streams), count=COUNT, block=self.hub.pace.block_ms)
+                reply: Any = await self.hub._read.xread(cast(Any, streams), count=COUNT, block=self.hub.pace.block_ms)
             except RedisError as exc:
                 self._in_call = False
                 await self._failed(exc)
@@ -260,16 +262,20 @@ class _Reader:
     def _deliver(self, reply: Any) -> None:
         now = time.monotonic()
         limit = self.hub.pace.buffer
-        for stream, entries in reply:
+        for stream, raw_entries in _streams_of(reply):
             key = _text(stream)
             if key == self.bell:
-                self.bell_last = _text(entries[-1][0])
+                self.bell_last = _text(raw_entries[-1][0])
                 self.hub.bells += 1
                 continue
-            for sub in self.subs.get(key, ()):
+            subs = self.subs.get(key)
+            if not subs:
+                continue
+            entries = [(entry_id, _value(fields, self.hub.field)) for entry_id, fields in raw_entries]
+            for sub in subs:
                 if sub.paused:
                     continue  # read on from its own last entry once it has taken what it holds
-                fresh = entries if sub.last == "0-0" or len(self.subs[key]) == 1 else [e for e in entries if _id_key(_text(e[0])) > _id_key(sub.last)]
+                fresh = entries if sub.last == "0-0" or len(subs) == 1 else [e for e in entries if _id_key(e[0]) > _id_key(sub.last)]
                 if not fresh:
                     continue
                 sub.entries.extend(fresh)
@@ -297,10 +303,45 @@ class _Reader:
         await asyncio.sleep(min(0.5, self.hub.pace.retry_s / 10))
 
 
+def _raw_reads(redis: Redis) -> Redis:
+    """The client a hub reads with. On a single server: one on the same pool whose XREAD replies are left
+    as Redis sent them (redis-py builds a dict per entry, a visible share of an API node's CPU per token;
+    `_deliver` takes the one field it needs from the flat field list). A cluster client keeps redis-py's
+    parsing (its reply may come either way)."""
+    if is_cluster(redis):
+        return redis
+    raw = Redis(connection_pool=redis.connection_pool)
+    raw.set_response_callback("XREAD", _as_sent)
+    return raw
+
+
+def _as_sent(response: Any, **_options: Any) -> Any:
+    return response
+
+
+def _streams_of(reply: Any) -> Any:
+    """[(stream, entries)] from an XREAD reply, raw (a list of pairs) or parsed (a list, or a RESP3 dict)."""
+    if not reply:
+        return ()
+    return reply.items() if isinstance(reply, dict) else reply
+
+
+def _value(fields: Any, name: bytes) -> bytes | None:
+    """One field's value of an entry: from the flat [field, value, ...] list Redis sends, or redis-py's dict."""
+    if isinstance(fields, dict):
+        found = fields.get(name, fields.get(name.decode()))
+        return found if found is None or isinstance(found, bytes) else str(found).encode()
+    for i in range(0, len(fields) - 1, 2):
+        if fields[i] == name:
+            value: bytes = fields[i + 1]
+            return value
+    return None
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
+def _id_key(entry_id: bytes | str) -> tuple[int, int]:
+    ms, _, seq = _text(entry_id).partition("-")
     return int(ms), int(seq or 0)

@@ -1,9 +1,12 @@
-"""uvicorn's h11 protocol with a deadline for each request's headers (slowloris on the header phase).
+"""uvicorn's httptools protocol with a deadline for each request's headers (slowloris on the header phase).
 
-Hand-written because uvicorn has none: its keep-alive timer is cancelled by any byte received, so a
-client sending one header byte every few seconds holds a connection (and its slot under
+httptools (llhttp, in C) rather than h11 (pure Python): at thousands of streams the HTTP framing of every
+chunk is a visible share of an API node's CPU (bench/RESULTS.md, session 16).
+
+Hand-written because uvicorn has no header deadline: its keep-alive timer is cancelled by any byte
+received, so a client sending one header byte every few seconds holds a connection (and its slot under
 `--max-connections`) forever. Here a timer is armed when a connection opens and again when a response
-ends (keep-alive), and cancelled as soon as h11 has parsed a whole request line and headers; if it
+ends (keep-alive), and cancelled as soon as the parser has a whole request line and headers; if it
 fires first the connection is closed (no HTTP answer is possible before a request exists). The body
 has its own limit, in the app (ingest.limits.read_body, `--body-timeout`: 408).
 Must not: change anything else of uvicorn's protocol.
@@ -14,10 +17,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
-class HeaderDeadlineH11(H11Protocol):
+class HeaderDeadlineHttpTools(HttpToolsProtocol):
     header_timeout = 30.0  # set per server by `with_header_timeout`
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -31,20 +34,19 @@ class HeaderDeadlineH11(H11Protocol):
             self._header_timer = self.loop.call_later(self.header_timeout, self._headers_late)
 
     def _disarm(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
+        timer = getattr(self, "_header_timer", None)
+        if timer is not None:
+            timer.cancel()
             self._header_timer = None
 
-    def handle_events(self) -> None:
-        cycle = self.cycle
-        super().handle_events()
-        if self.cycle is not cycle:  # a whole request's headers arrived
-            self._disarm()
+    def on_headers_complete(self) -> None:
+        self._disarm()  # a whole request's headers arrived
+        super().on_headers_complete()
 
     def on_response_complete(self) -> None:
-        if not self.transport.is_closing():
+        if not self.transport.is_closing() and not self.pipeline:  # (a pipelined request's headers are in already)
             self._arm()  # the next request on this keep-alive connection gets its own deadline
-        super().on_response_complete()  # may start a pipelined request at once, which disarms it again
+        super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -58,4 +60,4 @@ class HeaderDeadlineH11(H11Protocol):
 
 def with_header_timeout(seconds: float) -> Any:
     """The protocol class for uvicorn's `http=` with this header deadline (0: none)."""
-    return type("HeaderDeadlineH11", (HeaderDeadlineH11,), {"header_timeout": seconds})
+    return type("HeaderDeadlineHttpTools", (HeaderDeadlineHttpTools,), {"header_timeout": seconds})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 from pathlib import Path
@@ -319,11 +318,12 @@ def api(
 ) -> None:
     """Run only the API role against --redis-url (what compose and multi-node setups use)."""
     settings = _settings(**locals())
+    from cli.event_loop import run_loop
     from cli.serve import run_api
 
     if not settings.redis_url:
         raise typer.BadParameter("`met api` needs --redis-url (or REDIS_URL)", param_hint="--redis-url")
-    asyncio.run(run_api(settings))
+    run_loop(run_api(settings))
 
 
 @app.command()
@@ -374,11 +374,12 @@ def worker(
     settings = _settings(**locals())
     _check_tool_parser(settings)
     yield_to_upstream(settings)
+    from cli.event_loop import run_loop
     from workers.main import run_worker
 
     if not settings.redis_url:
         raise typer.BadParameter("`met worker` needs --redis-url (or REDIS_URL)", param_hint="--redis-url")
-    asyncio.run(run_worker(settings))
+    run_loop(run_worker(settings))
 
 
 @app.command()

@@ -31,7 +31,7 @@ from cli.replay_http import ReplayHttpError, post_and_read
 from encoders.reencode import encode_sse
 from encoders.wire import tail
 from ingest.publish import admit, submit
-from shared.codec import CodecError
+from shared.codec import DELTA_FIELD, CodecError
 from shared.deltas import StreamDelta
 from shared.dumps import Comparison, DumpRecord, compare, read_records
 from shared.ir import Protocol
@@ -84,7 +84,7 @@ async def replay_through_redis(redis: Redis, record: DumpRecord, target: ReplayT
             raise TimeoutError(f"the queue stayed at its limit ({target.max_queue}) for {target.timeout:.0f} s")
         await asyncio.sleep(0.5)
     await submit(redis, request)
-    tails = Tails(redis, node=f"replay-{request.id[:8]}")
+    tails = Tails(redis, node=f"replay-{request.id[:8]}", field=DELTA_FIELD)
     try:
         deltas = [d async for batch in tail(tails, request.id, deadline=time.time() + target.timeout) if batch is not None for d in batch]
     finally:

@@ -24,6 +24,7 @@ import uvicorn
 
 from bus.connect import connect
 from cli.embedded_redis import EmbeddedRedis, detached
+from cli.event_loop import run_loop
 from cli.http_protocol import with_header_timeout
 from cli.top_serve import Dashboard
 from shared import keys
@@ -198,7 +199,7 @@ def serve(settings: Settings, *, tui: bool = False) -> None:
                 task.cancel()
 
     try:
-        asyncio.run(main())
+        run_loop(main())
     finally:
         if dashboard:
             dashboard.stop()

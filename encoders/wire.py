@@ -43,7 +43,7 @@ from bus.tails import Tails
 from encoders.fan_in import Tagged, is_last, tag_terminal
 from encoders.frames import Frame
 from shared import keys
-from shared.codec import delta_of
+from shared.codec import decode_delta
 from shared.deltas import Batch, Error, ErrorKind, StreamDelta, is_terminal
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ async def tail(tails: Tails, request_id: str, *, deadline: float, presence: Pres
     node's (bus.tails retries them); only a long outage ends the stream with one synthesized Error
     (the generation is not cancelled; the stream can be resumed once Redis is back).
     """
-    sub = tails.subscribe(keys.delta_stream(request_id))
+    sub = tails.subscribe(keys.delta_stream(request_id))  # the hub hands over each entry's DELTA_FIELD
     if presence is not None:
         presence.on_gone(sub.wake)
     try:
@@ -113,10 +113,10 @@ async def tail(tails: Tails, request_id: str, *, deadline: float, presence: Pres
                 yield [Error(message=LOST_REDIS, kind=ErrorKind.INTERNAL, attempt=0)]
                 return
             batch: Batch = []
-            for _entry_id, fields in entries:
-                delta = delta_of(fields)
-                if delta is None:
+            for _entry_id, payload in entries:
+                if payload is None:
                     continue  # the marker that created the stream
+                delta = decode_delta(payload)
                 batch.append(delta)
                 if is_terminal(delta):
                     yield batch
@@ -192,13 +192,20 @@ class Event:
         return frame.to_sse(self.id)
 
 
-def sse_response(batches: AsyncIterator[list[Event]], headers: list[tuple[bytes, bytes]]) -> Response:
-    """A `text/event-stream` response: each batch of events in one write."""
+def sse_response(batches: AsyncIterator[list[Event]], headers: list[tuple[bytes, bytes]], *, count: Callable[[int], None] | None = None) -> Response:
+    """A `text/event-stream` response: each batch of events in one write. `count(+1)` when the body starts,
+    `count(-1)` when it ends, however it ends (a draining API node waits for its open streams)."""
 
     async def body() -> AsyncIterator[bytes]:
-        async for batch in batches:
-            if batch:
-                yield b"".join([event.wire() for event in batch])
+        if count is not None:
+            count(1)
+        try:
+            async for batch in batches:
+                if batch:
+                    yield b"".join([event.wire() for event in batch])
+        finally:
+            if count is not None:
+                count(-1)
 
     return Response(200, headers, StreamedContent(b"text/event-stream", body))
 

@@ -46,6 +46,7 @@ from ingest.surfaces import SURFACES, Surface
 from ingest.tokenizing import Tokenizing
 from models.prompt import PromptRenderer
 from shared import keys
+from shared.codec import DELTA_FIELD
 from shared.deltas import Batch, StreamDelta
 from shared.errors import ApiError, invalid
 from shared.ir import ImagePart, Protocol, Request
@@ -73,7 +74,7 @@ class Api:
         self.model_name = settings.served_model_name or renderer.info.name
         self.redis: Redis = connect(settings.redis_url or "redis://127.0.0.1:6379", max_connections=settings.redis_max_connections)
         self.node_id = f"{socket.gethostname()}-{os.getpid()}-{new_id()[:6]}"
-        self.tails = Tails(self.redis, node=self.node_id)  # every stream this node answers is read through these readers
+        self.tails = Tails(self.redis, node=self.node_id, field=DELTA_FIELD)  # every stream this node answers is read through these readers
         self.started = int(time.time())
         self.draining = False  # set on shutdown: /ready turns 503 before anything stops
         self.open_streams = 0  # SSE responses in progress on this node
@@ -211,18 +212,11 @@ class Api:
         return self._sse(request_id, events)
 
     def _sse(self, request_id: str, stream: AsyncIterator[list[Event]]) -> Response:
-        async def events() -> AsyncIterator[list[Event]]:
-            self.open_streams += 1  # a draining node waits for these (cli.serve)
-            try:
-                async for event in stream:
-                    yield event
-            finally:
-                self.open_streams -= 1
+        headers = [(b"Cache-Control", b"no-cache"), (b"X-Accel-Buffering", b"no"), (b"X-Request-Id", request_id.encode())]
+        return sse_response(stream, headers=headers, count=self._count_stream)
 
-        return sse_response(
-            events(),
-            headers=[(b"Cache-Control", b"no-cache"), (b"X-Accel-Buffering", b"no"), (b"X-Request-Id", request_id.encode())],
-        )
+    def _count_stream(self, change: int) -> None:
+        self.open_streams += change  # a draining node waits for these (cli.serve)
 
     async def collect(self, http: HttpRequest, request: Request, presence: Presence) -> list[StreamDelta]:
         return await collect(self.deltas(request, http, presence), client=self.client_link(presence, request))

@@ -10,13 +10,13 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
+from bus import cancels
 from bus.connect import is_cluster
 from ingest.auth import ANONYMOUS
 from shared import keys
 from shared.codec import QUEUED, STREAM_MARKER, Meta, encode_request, request_entry
 from shared.ir import Request
 
-CANCEL_TTL = 3600
 OWNER = Meta.OWNER  # the request meta field naming the caller id that made it (ingest.auth.owns)
 
 
@@ -148,6 +148,5 @@ async def submit_all(redis: Redis, parts: list[Request], *, owner: str = ANONYMO
 
 
 async def cancel(redis: Redis, request_id: str, *, by_operator: bool = False) -> None:
-    """Flag the request cancelled. A disconnected client's cancel ends it quietly (nobody is left to
-    tell); an operator's (`met top`, `c`) ends it with an error the client sees (shared/deltas.py)."""
-    await redis.set(keys.cancel_flag(request_id), keys.OPERATOR_CANCEL if by_operator else keys.CLIENT_CANCEL, ex=CANCEL_TTL)
+    """Cancel the request: its flag and a notice on the workers' cancel feed (bus.cancels)."""
+    await cancels.cancel(redis, request_id, by_operator=by_operator)

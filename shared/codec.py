@@ -58,6 +58,14 @@ _DELTA_TAGS: dict[type, str] = {
     Error: "error",
 }
 _DELTA_TYPES = {tag: cls for cls, tag in _DELTA_TAGS.items()}
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # per dataclass: its field names (dataclasses.fields is slow per call)
+
+
+def _names(cls: Any) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+    return names
 
 
 class CodecError(ValueError):
@@ -71,12 +79,11 @@ def _check_version(doc: dict[str, Any]) -> None:
 
 def _known(cls: Any, doc: dict[str, Any]) -> Any:
     """`cls` from the fields of `doc` it has: a field a newer minor version added is ignored, not a crash."""
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in doc.items() if k in names})
+    return cls(**{k: doc[k] for k in _names(cls) if k in doc})
 
 
 def _asdict(obj: Any) -> dict[str, Any]:
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+    return {name: getattr(obj, name) for name in _names(type(obj))}
 
 
 def encode_delta(delta: StreamDelta) -> bytes:
@@ -103,7 +110,7 @@ def delta_from_dict(doc: dict[str, Any]) -> StreamDelta:
     cls = _DELTA_TYPES.get(doc.get("t", ""))
     if cls is None:
         raise CodecError(f"unknown delta type {doc.get('t')!r}")
-    kwargs = {f.name: doc[f.name] for f in fields(cls) if f.name in doc}
+    kwargs = {name: doc[name] for name in _names(cls) if name in doc}
     if "token_ids" in kwargs:
         kwargs["token_ids"] = tuple(kwargs["token_ids"])
     if cls is Finish:
@@ -113,8 +120,10 @@ def delta_from_dict(doc: dict[str, Any]) -> StreamDelta:
         kwargs["kind"] = ErrorKind(kwargs.get("kind", ErrorKind.INTERNAL.value))
     elif cls is Content:
         for name in ("logprobs", "prompt_logprobs"):
-            if name in kwargs:
+            if kwargs.get(name):
                 kwargs[name] = _logprobs_from_list(kwargs[name])
+            elif name in kwargs:
+                kwargs[name] = ()
     delta: StreamDelta = cls(**kwargs)
     return delta
 

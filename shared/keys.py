@@ -35,6 +35,11 @@ REQUEST_INDEX = f"{PREFIX}:requests:index"
 # (approximately capped: a notification feed, not accepted work). Readers: `--dump-dir` writers, the TUI.
 FINISHED = f"{PREFIX}:finished"
 
+# Cancel notices (fields: id, by): one entry per cancel, after the request's cancel flag is set. Writers:
+# bus.cancels (API nodes on a client disconnect, `met top` for an operator). Readers: every worker, once a
+# step, from its last entry read. Approximately capped: the flags are the record, this only tells.
+CANCELS = f"{PREFIX}:cancels"
+
 # Requests that killed their worker too often (fields: id, deliveries, reason). Writer: workers.loop.
 # Readers: the TUI, `met dump`, operators. Never trimmed.
 DEAD_LETTER = f"{PREFIX}:deadletter"
@@ -141,7 +146,8 @@ def choices(request_id: str) -> str:
 
 def cancel_flag(request_id: str) -> str:
     """Present once the request is cancelled; its value says by whom (CLIENT_CANCEL, OPERATOR_CANCEL).
-    Writers: ingest.app on a client disconnect, `met top` (cli/top_snapshot.py). Reader: workers.loop."""
+    Writer: bus.cancels (for ingest.app on a client disconnect, `met top`). Reader: workers.loop when it
+    claims the request (later cancels reach it on CANCELS)."""
     return f"{_tag(request_id)}:cancel"
 
 

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from models.grammar import Grammars, grammar_for, special_markers
 from models.prompt import ModelInfo
@@ -410,10 +410,14 @@ class Engine:
     def _push(self, seq: Sequence, deltas: list[StreamDelta], out: list[Emission]) -> None:
         state: _TextState = seq.state
         for delta in deltas:
-            extra: dict[str, Any] = {"token_ids": tuple(state.pending_ids), "attempt": seq.attempt}
-            if isinstance(delta, Content):
-                extra["logprobs"] = tuple(state.pending_logprobs)
-            out.append(Emission(seq.key, replace(delta, **extra)))
+            token_ids = tuple(state.pending_ids)
+            if type(delta) is Content and not delta.prompt_logprobs:  # the common case, built directly (replace() costs ~4 µs)
+                stamped: StreamDelta = Content(text=delta.text, token_ids=token_ids, attempt=seq.attempt, logprobs=tuple(state.pending_logprobs))
+            elif isinstance(delta, Content):
+                stamped = replace(delta, token_ids=token_ids, attempt=seq.attempt, logprobs=tuple(state.pending_logprobs))
+            else:
+                stamped = replace(cast(Any, delta), token_ids=token_ids, attempt=seq.attempt)
+            out.append(Emission(seq.key, stamped))
             state.pending_ids, state.pending_logprobs = [], []
 
     def _emit_final(self, seq: Sequence, text: str, out: list[Emission]) -> None:

@@ -7,7 +7,8 @@
   count as a delivery). A worker that dies stops renewing; its entries go idle and are reclaimed.
 - Every delta write goes through one Lua script that first checks the stored attempt: writes from a
   stale attempt (a paused worker that woke up) are rejected atomically, so it can neither interleave
-  with nor finish over the new owner. The script writes with NOMKSTREAM (ingest created the stream),
+  with nor finish over the new owner. One call takes many requests' writes (a worker's whole step on a
+  single server; on a cluster one call per hash slot, the per-request keys being sharded into few). The script writes with NOMKSTREAM (ingest created the stream),
   so an expired request is never recreated; on the terminal event it records the outcome and sets the
   dump TTL on every key of the request (all in one `{req:<id>}` hash slot, so it is cluster-safe).
 - XACK, the queue counter and the finished feed live in other slots, so they follow the script in
@@ -27,26 +28,63 @@ from redis.exceptions import ResponseError
 from shared import keys
 from shared.codec import DELTA_FIELD, FINISHED, RUNNING, Meta
 
-# KEYS: meta, deltas, request, cancel. ARGV: attempt, ttl, outcome ("" unless terminal), now, batch_max,
-# written (how many deltas of this attempt the caller knows were written), then one encoded delta per
-# remaining argument. Returns 1 when written, 0 when the attempt is stale. The meta field `emitted` counts
-# this attempt's deltas: a resend after a lost reply skips the ones already written (never a duplicate).
+# Several requests' writes in one call (one step's, all of a hash slot's on a cluster). KEYS: four per
+# request (meta, deltas, request, cancel). ARGV: ttl, now, then per request, in KEYS order: attempt,
+# outcome ("" unless terminal), batch_max, written (how many deltas of this attempt the caller knows were
+# written), n, then its n encoded deltas. Returns one number per request: 1 written, 0 its attempt is
+# stale. The meta field `emitted` counts the attempt's deltas: a resend after a lost reply skips the ones
+# already written (never a duplicate); `first_token_at` is set by the attempt's first write with deltas.
 FENCED_WRITE = f"""
-if redis.call('HGET', KEYS[1], '{Meta.ATTEMPT}') ~= ARGV[1] then return 0 end
-local have = tonumber(redis.call('HGET', KEYS[1], '{Meta.EMITTED}') or '0')
-local base = tonumber(ARGV[6])
-for i = 7, #ARGV do
-  if base + i - 7 >= have then redis.call('XADD', KEYS[2], 'NOMKSTREAM', '*', '{DELTA_FIELD}', ARGV[i]) end
+local ttl, now = ARGV[1], ARGV[2]
+local out = {{}}
+local a = 3
+for r = 1, #KEYS, 4 do
+  local meta, stream = KEYS[r], KEYS[r + 1]
+  local attempt, outcome, batch_max, base, n = ARGV[a], ARGV[a + 1], ARGV[a + 2], tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  local first = a + 5
+  a = first + n
+  local held = redis.call('HMGET', meta, '{Meta.ATTEMPT}', '{Meta.EMITTED}')
+  if held[1] ~= attempt then
+    out[#out + 1] = 0
+  else
+    local have = tonumber(held[2] or '0')
+    for i = 0, n - 1 do
+      if base + i >= have then redis.call('XADD', stream, 'NOMKSTREAM', '*', '{DELTA_FIELD}', ARGV[first + i]) end
+    end
+    if base + n > have then redis.call('HSET', meta, '{Meta.EMITTED}', base + n) end
+    if have == 0 and n > 0 and outcome == '' then redis.call('HSETNX', meta, '{Meta.FIRST_TOKEN_AT}', now) end
+    if outcome ~= '' then
+      redis.call('HSET', meta, '{Meta.STATUS}', '{FINISHED}', '{Meta.OUTCOME}', outcome, '{Meta.FINISHED_AT}', now, '{Meta.BATCH_MAX}', batch_max)
+      for k = r, r + 3 do redis.call('EXPIRE', KEYS[k], ttl) end
+    end
+    out[#out + 1] = 1
+  end
 end
-if base + #ARGV - 6 > have then redis.call('HSET', KEYS[1], '{Meta.EMITTED}', base + #ARGV - 6) end
-if ARGV[3] == '' then
-  if #ARGV >= 7 then redis.call('HSETNX', KEYS[1], '{Meta.FIRST_TOKEN_AT}', ARGV[4]) end
-  return 1
-end
-redis.call('HSET', KEYS[1], '{Meta.STATUS}', '{FINISHED}', '{Meta.OUTCOME}', ARGV[3], '{Meta.FINISHED_AT}', ARGV[4], '{Meta.BATCH_MAX}', ARGV[5])
-for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
-return 1
+return out
 """
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """One request's part of a fenced write: its deltas (encoded) under its attempt."""
+
+    request_id: str
+    attempt: int
+    deltas: tuple[bytes, ...]
+    written: int = 0  # deltas of this attempt already confirmed written
+    outcome: str = ""  # set when the last delta is terminal: the meta's outcome
+    batch_max: int = 0
+
+
+def fenced_args(writes: list[Write], *, ttl: int, now: float) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of one FENCED_WRITE call for these writes (all of one hash slot on a cluster)."""
+    script_keys: list[str] = []
+    args: list[Any] = [ttl, now]
+    for w in writes:
+        rid = w.request_id
+        script_keys += (keys.request_meta(rid), keys.delta_stream(rid), keys.request_ir(rid), keys.cancel_flag(rid))
+        args += (w.attempt, w.outcome, w.batch_max, w.written, len(w.deltas), *w.deltas)
+    return script_keys, args
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,14 +172,31 @@ async def release(redis: Redis, consumer: str, entry_ids: list[str], *, lease_s:
         await redis.xclaim(keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, 0, list[Any](entry_ids), idle=idle_ms, justid=True)
 
 
+# Bump a request's attempt (the fencing token) and record the claim. KEYS: meta. ARGV: worker, now,
+# deliveries. Returns the new attempt.
+_BEGIN_ATTEMPT = f"""
+local attempt = redis.call('HINCRBY', KEYS[1], '{Meta.ATTEMPT}', 1)
+redis.call('HSET', KEYS[1], '{Meta.STATUS}', '{RUNNING}', '{Meta.WORKER}', ARGV[1], '{Meta.CLAIMED_AT}', ARGV[2], '{Meta.DELIVERIES}', ARGV[3], '{Meta.EMITTED}', 0)
+return attempt
+"""
+
+
+async def begin_attempts(redis: Redis, claims: list[tuple[str, int]], *, worker: str) -> list[int]:
+    """Begin an attempt for each (request id, deliveries): one script each (atomic), all in one round trip.
+    Returns the attempt numbers, in order."""
+    if not claims:
+        return []
+    now = time.time()
+    async with redis.pipeline(transaction=False) as pipe:
+        for rid, deliveries in claims:
+            pipe.eval(_BEGIN_ATTEMPT, 1, keys.request_meta(rid), worker, now, deliveries)
+        return [int(a) for a in await pipe.execute()]
+
+
 async def begin_attempt(redis: Redis, request_id: str, *, worker: str, deliveries: int) -> int:
     """Bump and return the request's attempt number (the fencing token) and record the claim."""
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.hincrby(keys.request_meta(request_id), Meta.ATTEMPT, 1)
-        claim = {Meta.STATUS: RUNNING, Meta.WORKER: worker, Meta.CLAIMED_AT: time.time(), Meta.DELIVERIES: deliveries, Meta.EMITTED: 0}
-        pipe.hset(keys.request_meta(request_id), mapping=claim)  # type: ignore[arg-type]
-        attempt, _ = await pipe.execute()
-    return int(attempt)
+    [attempt] = await begin_attempts(redis, [(request_id, deliveries)], worker=worker)
+    return attempt
 
 
 async def sweep_inflight(redis: Redis, *, grace_s: float) -> list[str]:

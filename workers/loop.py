@@ -40,7 +40,8 @@ from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
-from bus.connect import queue_script
+from bus import cancels
+from bus.connect import is_cluster, queue_script
 from shared import keys
 from shared.codec import Meta, dead_letter_entry, deltas_of, encode_delta, finished_entry, request_id_of, request_of
 from shared.deltas import Error, ErrorKind, Finish, FinishReason, StreamDelta, Usage, is_terminal
@@ -98,6 +99,7 @@ class ClaimLoop(Generic[E]):
         self.operator_cancels: set[str] = set()  # requests an operator cancelled, until their Error is written
         self.stale_total = 0
         self._fenced = redis.register_script(leases.FENCED_WRITE)
+        self._cluster = is_cluster(redis)
         self._fenced_loaded = False  # the server has it (a pipeline ran it, no NoScriptError since): no SCRIPT EXISTS
         self._due: dict[str, float] = defaultdict(float)
         self.faults = fault_injection(settings)
@@ -109,6 +111,7 @@ class ClaimLoop(Generic[E]):
         self._backoff = 0.0
         self._retry_at = 0.0
         self._publishing = asyncio.Lock()
+        self._cancels_from: str | None = None  # the cancel feed's last entry read (shared.keys.CANCELS)
         self._claimer: asyncio.Task[None] | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -278,58 +281,72 @@ class ClaimLoop(Generic[E]):
     async def claim(self, *, block_ms: int | None) -> None:
         count = self.capacity()
         if count:
-            for claimed in await leases.claim_new(self.redis, self.worker_id, count=count, block_ms=block_ms):
-                await self.take(claimed)
+            await self.take(await leases.claim_new(self.redis, self.worker_id, count=count, block_ms=block_ms))
         elif block_ms:
             await asyncio.sleep(block_ms / 1000)
 
     async def reclaim(self) -> None:
         count = self.capacity()
         if count:
-            for claimed in await leases.reclaim_idle(self.redis, self.worker_id, count=count, lease_s=self.settings.lease_s):
+            claims = await leases.reclaim_idle(self.redis, self.worker_id, count=count, lease_s=self.settings.lease_s)
+            for claimed in claims:
                 log.warning("reclaimed request entry %s (delivery %d)", claimed.entry_id, claimed.deliveries)
-                await self.take(claimed)
+            await self.take(claims)
 
-    async def take(self, claimed: leases.Claimed) -> None:
-        """Start (or resume) a claimed request under a new attempt number."""
-        try:
-            assert claimed.fields is not None, "entry trimmed"
-            request = request_of(claimed.fields)
-        except Exception as exc:  # a payload never kills the worker
-            await self.unreadable(claimed, exc)
+    async def take(self, claims: list[leases.Claimed]) -> None:
+        """Start (or resume) claimed requests, each under a new attempt number. However many there are,
+        three round trips: what earlier attempts wrote and the cancel flags, the attempts begun, the first
+        writes (a request that ends at once, or resumes, writes there)."""
+        fresh: list[tuple[leases.Claimed, Request]] = []
+        for claimed in claims:
+            try:
+                assert claimed.fields is not None, "entry trimmed"
+                request = request_of(claimed.fields)
+            except Exception as exc:  # a payload never kills the worker
+                await self.unreadable(claimed, exc)
+                continue
+            if request.id in self.held:  # our own entry, idle past its lease (a long outage): we still run it
+                log.warning("request %s: reclaimed an entry this worker still runs; carrying on with attempt %d", request.id, self.held[request.id].attempt)
+                continue
+            fresh.append((claimed, request))
+        if not fresh:
             return
-        if request.id in self.held:  # our own entry, idle past its lease (a long outage): we still run it
-            log.warning("request %s: reclaimed an entry this worker still runs; carrying on with attempt %d", request.id, self.held[request.id].attempt)
-            return
-        recorded, flag = await self.recorded_and_flag(request.id)
-        terminal = next((d for d in recorded if is_terminal(d)), None)
-        if terminal is not None:  # an earlier attempt finished it and died before its ack: finish the books only
-            outcome: Any = await self.redis.hget(keys.request_meta(request.id), Meta.OUTCOME)
-            self.held[request.id] = Held(claimed.entry_id, 0)
-            await self._forget(request.id, ack=True, outcome=bytes(outcome).decode() if outcome else _outcome(terminal))
-            return
-        attempt = await leases.begin_attempt(self.redis, request.id, worker=self.worker_id, deliveries=claimed.deliveries)
-        self.held[request.id] = Held(claimed.entry_id, attempt)
+        records = await self.recorded_and_flags([request.id for _, request in fresh])
+        starting: list[tuple[leases.Claimed, Request, list[StreamDelta], Any]] = []
+        for (claimed, request), (recorded, flag) in zip(fresh, records, strict=True):
+            terminal = next((d for d in recorded if is_terminal(d)), None)
+            if terminal is not None:  # an earlier attempt finished it and died before its ack: finish the books only
+                outcome: Any = await self.redis.hget(keys.request_meta(request.id), Meta.OUTCOME)
+                self.held[request.id] = Held(claimed.entry_id, 0)
+                await self._forget(request.id, ack=True, outcome=bytes(outcome).decode() if outcome else _outcome(terminal))
+                continue
+            starting.append((claimed, request, recorded, flag))
+        attempts = await leases.begin_attempts(self.redis, [(request.id, claimed.deliveries) for claimed, request, _, _ in starting], worker=self.worker_id)
+        emissions: list[Emission] = []
+        for (claimed, request, recorded, flag), attempt in zip(starting, attempts, strict=True):
+            self.held[request.id] = Held(claimed.entry_id, attempt)
+            emissions += await self._start_one(claimed, request, recorded, flag)
+        await self.publish(emissions)
+
+    async def _start_one(self, claimed: leases.Claimed, request: Request, recorded: list[StreamDelta], flag: Any) -> list[Emission]:
+        """Hand one claimed request (its attempt begun) to the engine; its first emissions."""
+        attempt = self.held[request.id].attempt
         if claimed.deliveries > self.settings.max_deliveries:
-            await self.dead_letter(request, claimed)
-            return
-        if flag is not None:  # read before the attempt began; a cancel after it is check_cancels' to find
+            return [await self.dead_letter(request, claimed)]
+        if flag is not None:  # read before the attempt began; a cancel after it comes on the cancel feed
             usage = Usage(prompt_tokens=len(request.prompt_token_ids))
-            cancelled = Emission(request.id, Finish(reason=FinishReason.CANCELLED, usage=usage, attempt=attempt))
-            await self.publish([self._as_cancel(cancelled, flag)])
-            return
+            return [self._as_cancel(Emission(request.id, Finish(reason=FinishReason.CANCELLED, usage=usage, attempt=attempt)), flag)]
         if self.faults.crash_on and self.faults.crash_on in request.raw_body:
             log.critical("fault injection: exiting hard on request %s (crash_on)", request.id)
             os._exit(70)
         try:
             if self.faults.fails_add(request):
                 raise RuntimeError("fault injection: engine.add fails on this request")
-            started = self.start(request, attempt=attempt, recorded=recorded)
+            return self.start(request, attempt=attempt, recorded=recorded)
         except Exception:  # this request alone: the others in the batch go on
             log.exception("request %s could not be added to the engine; ending it with an error", request.id)
             self.engine.discard(request.id)
-            started = [Emission(request.id, Error(message=FAILED_ADD, kind=ErrorKind.INTERNAL, attempt=attempt))]
-        await self.publish(started)
+            return [Emission(request.id, Error(message=FAILED_ADD, kind=ErrorKind.INTERNAL, attempt=attempt))]
 
     async def unreadable(self, claimed: leases.Claimed, exc: Exception) -> None:
         """An entry that does not decode: dead-lettered and acknowledged; when it names its request, that
@@ -346,15 +363,16 @@ class ClaimLoop(Generic[E]):
         error = Error(message="The worker could not read this request (it was set aside).", kind=ErrorKind.INTERNAL, attempt=attempt)
         await self.publish([Emission(rid, error)])
 
-    async def recorded_and_flag(self, request_id: str) -> tuple[list[StreamDelta], Any]:
-        """What earlier attempts wrote, and the request's cancel flag: one round trip before it starts."""
+    async def recorded_and_flags(self, request_ids: list[str]) -> list[tuple[list[StreamDelta], Any]]:
+        """What earlier attempts wrote, and the cancel flag, of each request: one round trip before they start."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xrange(keys.delta_stream(request_id))
-            pipe.get(keys.cancel_flag(request_id))
-            entries, flag = await pipe.execute()
-        return deltas_of(entries), flag
+            for rid in request_ids:
+                pipe.xrange(keys.delta_stream(rid))
+                pipe.get(keys.cancel_flag(rid))
+            replies = await pipe.execute()
+        return [(deltas_of(replies[i]), replies[i + 1]) for i in range(0, len(replies), 2)]
 
-    async def dead_letter(self, request: Request, claimed: leases.Claimed) -> None:
+    async def dead_letter(self, request: Request, claimed: leases.Claimed) -> Emission:
         log.error("request %s was delivered %d times; moving it to the dead letters", request.id, claimed.deliveries)
         await self.redis.xadd(keys.DEAD_LETTER, dead_letter_entry(request.id, entry=claimed.entry_id, deliveries=claimed.deliveries, now=time.time()))
         error = Error(
@@ -362,20 +380,19 @@ class ClaimLoop(Generic[E]):
             kind=ErrorKind.INTERNAL,
             attempt=self.held[request.id].attempt,
         )
-        await self.publish([Emission(request.id, error)])
+        return Emission(request.id, error)
 
     async def check_cancels(self) -> None:
-        active = self.engine.active_ids()
-        if not active or not self._every("cancels", 0.05):
+        """Cancel what the cancel feed names among the requests this engine runs: one read of the feed
+        from where the last one ended (not a flag read per running request)."""
+        if self._cancels_from is None:
+            self._cancels_from = await cancels.last_id(self.redis)
+        if not self.engine.has_work() or not self._every("cancels", 0.05):
             return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for rid in active:
-                pipe.get(keys.cancel_flag(rid))
-            flags = await pipe.execute()
+        notices, self._cancels_from = await cancels.read(self.redis, self._cancels_from)
         emissions: list[Emission] = []
-        for rid, flag in zip(active, flags, strict=True):
-            if flag is not None:
-                emissions.extend(self._as_cancel(e, flag) for e in self.engine.cancel(rid))
+        for rid, by in notices:
+            emissions.extend(self._as_cancel(e, by) for e in self.engine.cancel(rid))
         await self.publish(emissions)
 
     def _as_cancel(self, emission: Emission, flag: bytes | str) -> Emission:
@@ -398,45 +415,65 @@ class ClaimLoop(Generic[E]):
                 await self._settle()
 
     async def _write_outbox(self) -> None:
+        """Write what waits in the outbox through the fenced script: one call for every request on a
+        single server, one per hash slot on a cluster, all in one round trip."""
         sent = len(self.outbox)  # the step loop may append behind these while the write is out
         by_request: dict[str, list[Emission]] = defaultdict(list)
         for e in self.outbox[:sent]:
             by_request[e.request_id].append(e)
+        writes = [self._write_of(rid, batch) for rid, batch in by_request.items() if rid in self.held]
+        groups = _by_slot(writes) if self._cluster else [writes]
         now = time.time()
-        rids = [rid for rid in by_request if rid in self.held]
         async with self.redis.pipeline(transaction=False) as pipe:
-            for rid in rids:
-                held, batch = self.held[rid], by_request[rid]
-                terminal = next((e for e in batch if e.terminal), None)
-                args: list[Any] = [held.attempt, self.settings.dump_ttl, self._outcome(terminal), now, terminal.batch_max if terminal else 0, held.written]
-                queue_script(pipe, self._fenced, _script_keys(rid), [*args, *(encode_delta(e.delta) for e in batch)], loaded=self._fenced_loaded)
+            for group in groups:
+                script_keys, args = leases.fenced_args(group, ttl=self.settings.dump_ttl, now=now)
+                queue_script(pipe, self._fenced, script_keys, args, loaded=self._fenced_loaded)
             try:
-                results = await pipe.execute()
+                results = await pipe.execute() if groups and writes else []
             except NoScriptError:  # a restarted (or flushed) Redis lost it: the next try loads it again
                 self._fenced_loaded = False
                 raise
-        self._fenced_loaded = self._fenced_loaded or bool(rids)
+        self._fenced_loaded = self._fenced_loaded or bool(writes)
         del self.outbox[:sent]
-        for rid, written in zip(rids, results, strict=True):
-            terminal = next((e for e in by_request[rid] if e.terminal), None)
-            if not written:
-                log.warning("request %s: attempt %d is stale; another worker owns it now", rid, self.held[rid].attempt)
-                self.stale_total += 1
-                self.engine.discard(rid)
-                self.held.pop(rid, None)
-                self.operator_cancels.discard(rid)
-                continue
-            self.held[rid].written += len(by_request[rid])
-            if terminal is not None:
-                outcome = self._outcome(terminal)
-                self._count(outcome)
-                self.operator_cancels.discard(rid)
-                self.settle[rid] = outcome
+        for group, result in zip(groups, results, strict=True):
+            for write, written in zip(group, result, strict=True):
+                self._written(write, by_request[write.request_id], bool(written))
+
+    def _write_of(self, rid: str, batch: list[Emission]) -> leases.Write:
+        held = self.held[rid]
+        terminal = next((e for e in batch if e.terminal), None)
+        deltas = tuple(encode_delta(e.delta) for e in batch)
+        return leases.Write(rid, held.attempt, deltas, written=held.written, outcome=self._outcome(terminal), batch_max=terminal.batch_max if terminal else 0)
+
+    def _written(self, write: leases.Write, batch: list[Emission], written: bool) -> None:
+        """Book one request's write: stale (another worker owns it now) or written, and ended if terminal."""
+        rid = write.request_id
+        if not written:
+            log.warning("request %s: attempt %d is stale; another worker owns it now", rid, write.attempt)
+            self.stale_total += 1
+            self.engine.discard(rid)
+            self.held.pop(rid, None)
+            self.operator_cancels.discard(rid)
+            return
+        self.held[rid].written += len(batch)
+        if write.outcome:
+            self._count(write.outcome)
+            self.operator_cancels.discard(rid)
+            self.settle[rid] = write.outcome
 
     async def _settle(self) -> None:
-        """Ack each ended request, take it off the in-flight set and announce it on the finished feed."""
-        for rid, outcome in list(self.settle.items()):
-            await self._forget(rid, ack=True, outcome=outcome)
+        """Ack every ended request, take it off the in-flight set and announce it on the finished feed:
+        one round trip for all of them (XACK and ZREM repeat harmlessly if a lost reply makes it run twice)."""
+        ended = [(rid, outcome, self.held[rid]) for rid, outcome in self.settle.items() if rid in self.held]
+        if ended:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, *(held.entry_id for _, _, held in ended))
+                pipe.zrem(keys.INFLIGHT, *(rid for rid, _, _ in ended))
+                for rid, outcome, _ in ended:
+                    pipe.xadd(keys.FINISHED, finished_entry(rid, outcome), maxlen=100_000, approximate=True)
+                await pipe.execute()
+        for rid in list(self.settle):
+            self.held.pop(rid, None)
             del self.settle[rid]
 
     def _outcome(self, terminal: Emission | None) -> str:
@@ -602,8 +639,12 @@ class WorkerLoop(ClaimLoop[Engine]):
         return {"prefill_tps": round(prefill_tps, 1), "decode_tps": round(decode_tps, 1)}
 
 
-def _script_keys(rid: str) -> tuple[str, str, str, str]:
-    return keys.request_meta(rid), keys.delta_stream(rid), keys.request_ir(rid), keys.cancel_flag(rid)
+def _by_slot(writes: list[leases.Write]) -> list[list[leases.Write]]:
+    """Writes grouped by the hash slot of their keys (a cluster script touches one slot)."""
+    groups: dict[str, list[leases.Write]] = defaultdict(list)
+    for w in writes:
+        groups[keys.hash_tag(keys.request_meta(w.request_id))].append(w)
+    return list(groups.values())
 
 
 def _outcome(delta: StreamDelta) -> str:

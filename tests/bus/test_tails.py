@@ -26,7 +26,7 @@ async def numbers(sub: Subscription, count: int, timeout: float = 20.0) -> list[
     got: list[int] = []
     async with asyncio.timeout(timeout):
         while len(got) < count:
-            got += [int(fields[b"n"]) for _id, fields in await sub.take()]
+            got += [int(value or b"-1") for _id, value in await sub.take()]
     return got
 
 
@@ -37,7 +37,7 @@ def test_a_thousand_streams_are_read_by_a_few_calls_on_a_few_connections(redis_s
 
     async def scenario() -> tuple[list[list[int]], int, int]:
         redis = connect(redis_server, max_connections=16)
-        tails = Tails(redis, node="t1", pace=Pace(readers=4))
+        tails = Tails(redis, field="n", node="t1", pace=Pace(readers=4))
         names = [stream(f"k{i}") for i in range(1000)]
         subs = [tails.subscribe(name) for name in names]
         await asyncio.sleep(0.2)  # every reader blocked on its share
@@ -67,7 +67,7 @@ def test_a_stream_subscribed_while_its_reader_is_blocked_rings_its_doorbell_and_
 
     async def scenario() -> tuple[list[int], int]:
         redis = Redis.from_url(redis_server)
-        tails = Tails(redis, node="t2", pace=Pace(readers=1, block_ms=4_500, quiet_s=300))
+        tails = Tails(redis, field="n", node="t2", pace=Pace(readers=1, block_ms=4_500, quiet_s=300))
         first = tails.subscribe(stream("first"))
         await asyncio.sleep(0.3)  # the reader is blocked on `first` alone
         bells = tails.bells
@@ -91,7 +91,7 @@ def test_a_consumer_that_does_not_keep_up_is_left_in_redis_and_later_gets_every_
 
     async def scenario() -> tuple[int, list[int], list[int]]:
         redis = Redis.from_url(redis_server)
-        tails = Tails(redis, node="t3", pace=Pace(readers=1, buffer=64, quiet_s=300))
+        tails = Tails(redis, field="n", node="t3", pace=Pace(readers=1, buffer=64, quiet_s=300))
         slow_key, fast_key = stream("slow"), stream("fast")
         slow, fast = tails.subscribe(slow_key), tails.subscribe(fast_key)
         async with redis.pipeline(transaction=False) as pipe:
@@ -116,7 +116,7 @@ def test_a_consumer_that_does_not_keep_up_is_left_in_redis_and_later_gets_every_
 def test_two_subscriptions_to_one_stream_from_different_points_each_get_their_own_rest(redis_server: str) -> None:
     async def scenario() -> tuple[list[int], list[int]]:
         redis = Redis.from_url(redis_server)
-        tails = Tails(redis, node="t4", pace=Pace(readers=1, quiet_s=300))
+        tails = Tails(redis, field="n", node="t4", pace=Pace(readers=1, quiet_s=300))
         key = stream("shared")
         ids = [await redis.xadd(key, {"n": n}) for n in range(5)]
         whole = tails.subscribe(key)
@@ -139,7 +139,7 @@ def test_redis_gone_past_the_retry_window_fails_the_subscriptions_with_an_error(
 
     async def scenario() -> tuple[str, list[Any]]:
         redis = Redis.from_url(url)
-        tails = Tails(redis, node="t5", pace=Pace(readers=1, quiet_s=0.2, retry_s=1.0))
+        tails = Tails(redis, field="n", node="t5", pace=Pace(readers=1, quiet_s=0.2, retry_s=1.0))
         sub = tails.subscribe(stream("gone"))
         await asyncio.sleep(0.2)
         assert server.proc is not None

@@ -21,14 +21,14 @@ from encoders.anthropic_messages import MessagesStreamEncoder
 from encoders.openai_chat import ChatStreamEncoder
 from encoders.wire import LOST_REDIS, ClientLink, Event, Numbered, Presence, sse_events, sse_response, tail
 from shared import keys
-from shared.codec import encode_delta
+from shared.codec import DELTA_FIELD, encode_delta
 from shared.ir import Protocol
 
 from .recorded import SCENARIOS, request
 
 
 def hub(redis: Redis, **pace: float) -> Tails:
-    return Tails(redis, node=f"test-{time.monotonic_ns()}", pace=Pace(**{"quiet_s": 0.1, **pace}))  # type: ignore[arg-type]
+    return Tails(redis, node=f"test-{time.monotonic_ns()}", field=DELTA_FIELD, pace=Pace(**{"quiet_s": 0.1, **pace}))  # type: ignore[arg-type]
 
 
 async def flat(batches: AsyncIterator[list[Event]]) -> list[Event]:

@@ -34,10 +34,10 @@ def run(redis_url: str, body: Callable[[Redis], Awaitable[Any]]) -> Any:
 
 async def fenced(redis: Redis, rid: str, attempt: int, *deltas: Any, outcome: str = "", written: int = 0) -> int:
     script = redis.register_script(leases.FENCED_WRITE)
-    meta, stream, ir, cancel = keys.request_meta(rid), keys.delta_stream(rid), keys.request_ir(rid), keys.cancel_flag(rid)
-    args = [attempt, 60, outcome, time.time(), 1, written, *(encode_delta(d) for d in deltas)]
-    result: int = await script(keys=[meta, stream, ir, cancel], args=args)
-    return result
+    write = leases.Write(rid, attempt, tuple(encode_delta(d) for d in deltas), written=written, outcome=outcome, batch_max=1)
+    script_keys, args = leases.fenced_args([write], ttl=60, now=time.time())
+    [result] = await script(keys=script_keys, args=args)
+    return int(result)
 
 
 def test_a_stale_attempt_cannot_write_and_the_current_one_can(redis_server: str) -> None:
@@ -74,6 +74,47 @@ def test_a_write_resent_after_a_lost_reply_adds_only_the_deltas_not_yet_written(
         again = await leases.begin_attempt(redis, request.id, worker="w2", deliveries=2)
         assert await fenced(redis, request.id, again, Content(text="d", attempt=again)) == 1  # a new attempt counts from 0
         assert await redis.xlen(keys.delta_stream(request.id)) == 4
+
+    run(redis_server, body)
+
+
+def test_one_call_writes_many_requests_and_refuses_only_the_stale_one(redis_server: str) -> None:
+    """A worker's whole step goes in one script call: each request's deltas land in its own stream, a
+    stale attempt among them is refused alone, and a terminal write ends only its own request."""
+
+    async def body(redis: Redis) -> None:
+        requests = [make_request(f"multi-{i}-{time.monotonic_ns()}") for i in range(3)]
+        for request in requests:
+            await submit(redis, request)
+        attempts = await leases.begin_attempts(redis, [(r.id, 1) for r in requests], worker="w")
+        await leases.begin_attempt(redis, requests[1].id, worker="other", deliveries=2)  # taken over: attempt 1 is stale
+        done = Finish(reason=FinishReason.STOP, usage=Usage(), attempt=attempts[2])
+        writes = [
+            leases.Write(r.id, a, tuple(encode_delta(Content(text=f"{r.id[:7]}-{n}", attempt=a)) for n in range(2)), batch_max=1) for r, a in zip(requests, attempts, strict=True)
+        ]
+        writes[2] = leases.Write(requests[2].id, attempts[2], (*writes[2].deltas, encode_delta(done)), outcome="stop", batch_max=3)
+        script = redis.register_script(leases.FENCED_WRITE)
+        script_keys, args = leases.fenced_args(writes, ttl=60, now=time.time())
+        assert [int(x) for x in await script(keys=script_keys, args=args)] == [1, 0, 1]
+        lengths = [await redis.xlen(keys.delta_stream(r.id)) for r in requests]
+        assert lengths == [2, 0, 3]
+        assert [await redis.hget(keys.request_meta(r.id), "status") for r in requests] == [b"running", b"running", b"finished"]
+        assert await redis.ttl(keys.request_ir(requests[0].id)) == -1 and 0 < await redis.ttl(keys.request_ir(requests[2].id)) <= 60
+
+    run(redis_server, body)
+
+
+def test_a_cancel_sets_the_flag_and_tells_the_workers_feed_with_who_cancelled(redis_server: str) -> None:
+    from bus import cancels
+
+    async def body(redis: Redis) -> None:
+        start = await cancels.last_id(redis)
+        await cancels.cancel(redis, "gone-client")
+        await cancels.cancel(redis, "by-operator", by_operator=True)
+        notices, after = await cancels.read(redis, start)
+        assert notices == [("gone-client", keys.CLIENT_CANCEL), ("by-operator", keys.OPERATOR_CANCEL)]
+        assert await redis.get(keys.cancel_flag("by-operator")) == keys.OPERATOR_CANCEL
+        assert await cancels.read(redis, after) == ([], after)  # read on from where it ended: nothing twice
 
     run(redis_server, body)
 
