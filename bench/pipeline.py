@@ -193,9 +193,12 @@ def _roles(pid: int) -> str:
     return line
 
 
+def warm_up(server: Server, model: str, timeout_s: float) -> None:
+    asyncio.run(_load(server.ports, 8, chat_body(model=model, prompt=PROMPT, max_tokens=8), timeout_s))
+
+
 def run_load(server: Server, streams: int, tokens: int, model: str, timeout_s: float) -> LoadResult:
     body = chat_body(model=model, prompt=PROMPT, max_tokens=tokens)
-    asyncio.run(_load(server.ports, min(streams, 8), chat_body(model=model, prompt=PROMPT, max_tokens=8), timeout_s))  # warm up
     samplers = [TreeSampler(p.pid, max_duration_s=timeout_s + 60).start() for p in server.procs]
     results, watch, wall = asyncio.run(_load(server.ports, streams, body, timeout_s))
     cpu: dict[str, float] = {}
@@ -242,6 +245,7 @@ def main() -> None:
     parser.add_argument("--topology", choices=("1x1", "2x2"), default="1x1")
     parser.add_argument("--flag", action="append", default=[], help="an extra flag for every met process (repeatable)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--rounds", type=int, default=1, help="loads per stream count on the same server; the median round by server CPU is reported")
     parser.add_argument("--json", action="store_true")
     opts = parser.parse_args()
     cache = Path(os.environ.get("MET_BENCH_CACHE", Path.home() / ".cache" / "metrale" / "bench"))
@@ -252,11 +256,18 @@ def main() -> None:
             args = [*model_args(opts.engine, cache, opts.sim_step_ms), *sizing_args(streams), *opts.flag]
             with topology(opts.topology, Path(tmp), args) as server:
                 model = httpx.get(f"http://127.0.0.1:{server.ports[0]}/v1/models", timeout=10).json()["data"][0]["id"]
-                result = run_load(server, streams, opts.tokens, model, opts.timeout_s)
-        row = report(result, step_ms=opts.sim_step_ms if opts.engine == "sim" else 0.0)
-        row.update(engine=opts.engine, topology=opts.topology, tokens=opts.tokens, flags=opts.flag)
+                warm_up(server, model, opts.timeout_s)
+                rounds = [report(run_load(server, streams, opts.tokens, model, opts.timeout_s), step_ms=step_ms(opts)) for _ in range(opts.rounds)]
+        row = sorted(rounds, key=lambda r: float(r["server_cpu_ms_per_1k"]))[len(rounds) // 2]  # type: ignore[arg-type]
+        row.update(engine=opts.engine, topology=opts.topology, tokens=opts.tokens, flags=opts.flag, rounds=len(rounds))
+        if len(rounds) > 1:
+            row["server_cpu_ms_per_1k_rounds"] = [r["server_cpu_ms_per_1k"] for r in rounds]
         rows.append(row)
         print(json.dumps(row) if opts.json else _line(row), flush=True)
+
+
+def step_ms(opts: argparse.Namespace) -> float:
+    return float(opts.sim_step_ms) if opts.engine == "sim" else 0.0
 
 
 def _line(row: dict[str, object]) -> str:
@@ -267,6 +278,7 @@ def _line(row: dict[str, object]) -> str:
         f"{row['streams']:>5} streams: {row['delivered_tok_s']:>8} tok/s, {row['complete']} complete, errors {row['errors'] or 0}, "
         f"ITL p50 {row['itl_p50_ms']} / p99 {row['itl_p99_ms']} ms, /ready {row['ready']}, "
         f"server CPU {row['server_cpu_ms_per_1k']} ms per 1k tokens ({parts})"
+        + (f"; rounds {row['server_cpu_ms_per_1k_rounds']}" if "server_cpu_ms_per_1k_rounds" in row else "")
     )
 
 

@@ -24,7 +24,7 @@ import uvicorn
 
 from bus.connect import connect
 from cli.embedded_redis import EmbeddedRedis, detached
-from cli.event_loop import run_loop
+from cli.event_loop import run_loop, settle_heap
 from cli.http_protocol import with_header_timeout
 from cli.top_serve import Dashboard
 from shared import keys
@@ -94,6 +94,7 @@ async def run_api(settings: Settings, before_exit: Callable[[], None] | None = N
     name, folder = await asyncio.to_thread(local_folder, settings.model, settings.model_cache)
     renderer = await asyncio.to_thread(PromptRenderer.load, folder, name=name, max_model_len=settings.max_model_len)
     app = build_app(settings, renderer)
+    settle_heap()  # the renderer and the app are loaded: out of the garbage collector's way (cli.event_loop)
     api = app.met_api  # type: ignore[attr-defined]
     stop_workers = before_exit
 

@@ -94,14 +94,24 @@ class Presence:
             self._task.cancel()
 
 
-async def tail(tails: Tails, request_id: str, *, deadline: float, presence: Presence | None = None) -> AsyncIterator[Batch | None]:
+class Observer(Protocol):
+    """Who sees each batch as it passes (ingest.metrics.Observation: /metrics and the access log)."""
+
+    def batch(self, batch: Batch) -> None: ...
+    def close(self) -> None: ...
+
+
+async def tail(
+    tails: Tails, request_id: str, *, deadline: float, presence: Presence | None = None, observer: Observer | None = None
+) -> AsyncIterator[Batch | None]:
     """Yield the request's deltas in batches, in order, until the terminal one; `None` when quiet (about
     once a second with nothing new, or once its client left: `presence`).
 
     Past `deadline` (unix time) without a terminal event, yield a synthesized timeout Error so no
     client is left hanging (e.g. no worker is alive to claim the request). Redis errors are this API
     node's (bus.tails retries them); only a long outage ends the stream with one synthesized Error
-    (the generation is not cancelled; the stream can be resumed once Redis is back).
+    (the generation is not cancelled; the stream can be resumed once Redis is back). `observer` sees
+    every batch before it is yielded, and is closed when the stream ends.
     """
     sub = tails.subscribe(keys.delta_stream(request_id))  # the hub hands over each entry's DELTA_FIELD
     if presence is not None:
@@ -109,9 +119,6 @@ async def tail(tails: Tails, request_id: str, *, deadline: float, presence: Pres
     try:
         while True:
             entries = await sub.take()
-            if sub.error:
-                yield [Error(message=LOST_REDIS, kind=ErrorKind.INTERNAL, attempt=0)]
-                return
             batch: Batch = []
             for _entry_id, payload in entries:
                 if payload is None:
@@ -119,17 +126,23 @@ async def tail(tails: Tails, request_id: str, *, deadline: float, presence: Pres
                 delta = decode_delta(payload)
                 batch.append(delta)
                 if is_terminal(delta):
-                    yield batch
-                    return
-            if batch:
-                yield batch
-            elif time.time() > deadline:
-                yield [Error(message=TIMED_OUT, kind=ErrorKind.TIMEOUT, attempt=0)]
-                return
-            else:
+                    break
+            if sub.error and not (batch and is_terminal(batch[-1])):
+                batch.append(Error(message=LOST_REDIS, kind=ErrorKind.INTERNAL, attempt=0))
+            if not batch and time.time() > deadline:
+                batch.append(Error(message=TIMED_OUT, kind=ErrorKind.TIMEOUT, attempt=0))
+            if not batch:
                 yield None
+                continue
+            if observer is not None:
+                observer.batch(batch)
+            yield batch
+            if is_terminal(batch[-1]):
+                return
     finally:
         tails.unsubscribe(sub)
+        if observer is not None:
+            observer.close()
 
 
 async def fan_in(tails: list[AsyncIterator[Batch | None]]) -> AsyncIterator[list[Tagged] | None]:

@@ -39,7 +39,7 @@ from ingest.context import ContextPolicy, fit_max_tokens
 from ingest.errors import error_body, failure, status_for
 from ingest.limits import RateLimiter, check_stored_size, parse_json, read_body
 from ingest.metrics import CONTENT_TYPE, Metrics
-from ingest.publish import admit, cancel, submit_all
+from ingest.publish import admit_and_submit, cancel
 from ingest.readiness import readiness
 from ingest.resume_routes import Followers, ResponseRoutes, recording, resume_choices, resume_stream
 from ingest.surfaces import SURFACES, Surface
@@ -137,7 +137,8 @@ class Api:
     async def publish(self, parts: list[Request], *, owner: str) -> None:
         """Admit (queue depth) and XADD every part of a request, or refuse before anything is queued."""
         try:
-            if not await admit(self.redis, [p.id for p in parts], self.settings.max_queue, request_timeout=self.settings.request_timeout):
+            admitted = await admit_and_submit(self.redis, parts, self.settings.max_queue, request_timeout=self.settings.request_timeout, owner=owner)
+            if not admitted:
                 raise ApiError(
                     f"The server is at its queue limit ({self.settings.max_queue} requests); retry shortly.",
                     status=429,
@@ -145,7 +146,6 @@ class Api:
                     code="queue_full",
                     retry_after=1.0,
                 )
-            await submit_all(self.redis, parts, owner=owner)
         except RedisError as exc:
             log.error("redis unavailable: %s", type(exc).__name__)
             raise ApiError("The request queue is unavailable; try again shortly.", status=503, kind="unavailable", code="queue_unavailable") from None
@@ -161,8 +161,8 @@ class Api:
         return Presence(getattr(content, "receive", None))
 
     def deltas(self, request: Request, http: HttpRequest, presence: Presence | None = None) -> AsyncIterator[Batch | None]:
-        deltas = tail(self.tails, request.id, deadline=self.deadline(request), presence=presence)
-        return self.metrics.observe(deltas, request, client=http.client_ip)
+        observer = self.metrics.observe(request, client=http.client_ip)
+        return tail(self.tails, request.id, deadline=self.deadline(request), presence=presence, observer=observer)
 
     def client_link(self, presence: Presence, request: Request) -> ClientLink:
         async def abandon() -> None:

@@ -19,9 +19,10 @@ Must not: change what a client receives (observing is pass-through), or hold req
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -164,6 +165,7 @@ class Metrics:
         self.e2e = Histogram("met_e2e_request_latency_seconds", "Time from acceptance to the terminal event at the API.", registry=r, buckets=_LATENCY)
         self.cluster = ClusterCollector()
         r.register(self.cluster)
+        self._reads: set[asyncio.Task[None]] = set()  # queue-time reads in flight
 
     async def render(self) -> bytes:
         self.cluster.figures = await read_cluster(self.redis, heartbeat_ttl=self.heartbeat_ttl)
@@ -172,30 +174,9 @@ class Metrics:
     def http_error(self, status: int) -> None:
         self.http_errors.labels(str(status)).inc()
 
-    async def observe(self, deltas: AsyncIterator[Batch | None], request: Request, *, client: str = "") -> AsyncIterator[Batch | None]:
-        """Pass batches of `deltas` through unchanged, timing them; a stream left before its terminal event
-        counts as 'abandoned'. Either way the request's access-log line is written (ingest/request_log.py)."""
-        last: float | None = None
-        timing = RequestTiming(client=client)
-        terminal: StreamDelta | None = None
-        try:
-            async for batch in deltas:
-                if batch is not None:
-                    now = time.time()
-                    for delta in batch:
-                        if is_terminal(delta):
-                            terminal = delta
-                            log_finished(request, delta, timing, now=now)
-                            await self._finish(request, delta, now)
-                        else:
-                            timing.output_tokens += len(getattr(delta, "token_ids", ()))
-                            last = self._token(request, delta, now, last)
-                            timing.first_at = timing.first_at or now
-                yield batch
-        finally:
-            if terminal is None:
-                self.requests.labels(request.protocol.value, "abandoned").inc()
-                log_finished(request, None, timing, now=time.time())
+    def observe(self, request: Request, *, client: str = "") -> Observation:
+        """The observer of one request's deltas (encoders.wire.tail feeds it each batch as it passes)."""
+        return Observation(self, request, client)
 
     def _token(self, request: Request, delta: StreamDelta, now: float, last: float | None) -> float:
         if last is None:
@@ -206,7 +187,7 @@ class Metrics:
             self.itl.observe((now - last) / count)
         return now
 
-    async def _finish(self, request: Request, delta: StreamDelta, now: float) -> None:
+    def _finish(self, request: Request, delta: StreamDelta, now: float) -> None:
         reason = delta.reason.value if isinstance(delta, Finish) else "error"
         self.requests.labels(request.protocol.value, reason).inc()
         self.e2e.observe(max(0.0, now - request.created))
@@ -215,12 +196,47 @@ class Metrics:
             self.generation_tokens.inc(delta.usage.completion_tokens)
         if isinstance(delta, Error) and delta.attempt == 0:
             return  # synthesized by the API (deadline): no worker claimed it
+        task = asyncio.create_task(self._queue_time(request.id))  # off the stream's path: nothing waits for it
+        self._reads.add(task)
+        task.add_done_callback(self._reads.discard)
+
+    async def _queue_time(self, request_id: str) -> None:
         try:
-            received, claimed = await self.redis.hmget(keys.request_meta(request.id), [Meta.RECEIVED_AT, Meta.CLAIMED_AT])
+            received, claimed = await self.redis.hmget(keys.request_meta(request_id), [Meta.RECEIVED_AT, Meta.CLAIMED_AT])
         except RedisError:
             return
         if received is not None and claimed is not None:
             self.queue_time.observe(max(0.0, float(claimed) - float(received)))
+
+
+class Observation:
+    """One request's deltas as /metrics and the access log see them: fed each batch as it passes
+    (`batch`), closed when its stream ends (`close`: a stream left before its terminal event counts as
+    'abandoned'). Either way the request's access-log line is written (ingest/request_log.py)."""
+
+    def __init__(self, metrics: Metrics, request: Request, client: str) -> None:
+        self.metrics = metrics
+        self.request = request
+        self.timing = RequestTiming(client=client)
+        self.last: float | None = None
+        self.terminal: StreamDelta | None = None
+
+    def batch(self, batch: Batch) -> None:
+        now = time.time()
+        for delta in batch:
+            if is_terminal(delta):
+                self.terminal = delta
+                log_finished(self.request, delta, self.timing, now=now)
+                self.metrics._finish(self.request, delta, now)
+            else:
+                self.timing.output_tokens += len(getattr(delta, "token_ids", ()))
+                self.last = self.metrics._token(self.request, delta, now, self.last)
+                self.timing.first_at = self.timing.first_at or now
+
+    def close(self) -> None:
+        if self.terminal is None:
+            self.metrics.requests.labels(self.request.protocol.value, "abandoned").inc()
+            log_finished(self.request, None, self.timing, now=time.time())
 
 
 def _int(value: bytes | str | None) -> int:

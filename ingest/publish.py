@@ -14,7 +14,7 @@ from bus import cancels
 from bus.connect import is_cluster
 from ingest.auth import ANONYMOUS
 from shared import keys
-from shared.codec import QUEUED, STREAM_MARKER, Meta, encode_request, request_entry
+from shared.codec import ID_FIELD, QUEUED, REQUEST_FIELD, STREAM_MARKER, VERSION, Meta, encode_request, request_entry
 from shared.ir import Request
 
 OWNER = Meta.OWNER  # the request meta field naming the caller id that made it (ingest.auth.owns)
@@ -127,6 +127,52 @@ async def admit(redis: Redis, request_ids: list[str], limit: int, *, request_tim
     now = time.time()
     result = await redis.eval(_ADMIT, 1, keys.INFLIGHT, limit, now - request_timeout - LIFETIME_MARGIN_S, now, *request_ids)
     return int(result) >= 0
+
+
+# Admission and submission in one call (a single server: the keys of every part and the global ones may
+# be named together). KEYS: inflight, index, request stream, then per part ir, meta, deltas. ARGV: limit,
+# stale before, now, owner, then per part id, encoded IR, protocol, model, endpoint. As `admit`, then for
+# each part what `_queue` does, in its order; -1 (nothing written) when the queue is full.
+_ADMIT_AND_SUBMIT = f"""
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[2])
+local parts = (#KEYS - 3) / 3
+if redis.call('ZCARD', KEYS[1]) + parts > tonumber(ARGV[1]) then return -1 end
+local now, owner = ARGV[3], ARGV[4]
+for p = 0, parts - 1 do
+  local ir, meta, deltas = KEYS[4 + p * 3], KEYS[5 + p * 3], KEYS[6 + p * 3]
+  local a = 5 + p * 5
+  local id, encoded = ARGV[a], ARGV[a + 1]
+  redis.call('ZADD', KEYS[1], now, id)
+  redis.call('SET', ir, encoded)
+  redis.call('HSET', meta, '{Meta.STATUS}', '{QUEUED}', '{Meta.PROTOCOL}', ARGV[a + 2], '{Meta.MODEL}', ARGV[a + 3], '{Meta.ENDPOINT}', ARGV[a + 4], '{Meta.RECEIVED_AT}', now, '{Meta.OWNER}', owner)
+  if redis.call('EXISTS', deltas) == 0 then
+    redis.call('XADD', deltas, '0-1', '{_MARKER_FIELD}', '{_MARKER_VALUE}')
+    redis.call('XTRIM', deltas, 'MAXLEN', 0)
+  end
+  redis.call('ZADD', KEYS[2], now, id)
+  redis.call('XADD', KEYS[3], '*', 'v', '{VERSION}', '{ID_FIELD}', id, '{REQUEST_FIELD}', encoded)
+end
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
+async def admit_and_submit(redis: Redis, parts: list[Request], limit: int, *, request_timeout: float, owner: str = ANONYMOUS) -> bool:
+    """`admit` every part and `submit` each, or nothing when the queue is full (False). One round trip and
+    one atomic script on a single server (the API node's per-request Redis work: before, a script and a
+    six-command pipeline); on a cluster, whose keys hash apart, `admit` then `submit_all`."""
+    if is_cluster(redis):
+        if not await admit(redis, [p.id for p in parts], limit, request_timeout=request_timeout):
+            return False
+        await submit_all(redis, parts, owner=owner)
+        return True
+    now = time.time()
+    script_keys = [keys.INFLIGHT, keys.REQUEST_INDEX, keys.REQUEST_STREAM]
+    args: list[Any] = [limit, now - request_timeout - LIFETIME_MARGIN_S, now, owner]
+    for part in parts:
+        script_keys += (keys.request_ir(part.id), keys.request_meta(part.id), keys.delta_stream(part.id))
+        args += (part.id, encode_request(part), part.protocol.value, part.model, part.endpoint)
+    script = redis.register_script(_ADMIT_AND_SUBMIT)  # EVALSHA, loaded on the first NOSCRIPT
+    return int(await script(keys=script_keys, args=args)) >= 0
 
 
 async def release(redis: Redis, request_ids: list[str]) -> None:

@@ -197,7 +197,7 @@ def test_a_redis_restart_mid_tail_is_ridden_out_and_a_long_outage_ends_the_strea
             server.proc.kill()  # kill -9; AOF keeps what was written
             server.proc.wait()
             await asyncio.sleep(outage_s)
-            await asyncio.to_thread(server.start)
+            server.start()  # on this thread: a server started from a to_thread worker gets SIGTERM when that thread exits (its parent-death signal)
             writer = Redis.from_url(url)
             for delta in deltas[1:]:
                 await writer.xadd(keys.delta_stream(req.id), {"d": encode_delta(delta)})
