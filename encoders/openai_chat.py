@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import orjson
+
 from encoders.fan_in import FanInEncoder
 from encoders.frames import Frame, json_frame
 from shared.deltas import (
@@ -116,6 +118,7 @@ class ChatStreamEncoder(DoneOnce):
         }
         self._role_sent = False
         self._done = False
+        self._text_template: tuple[str, str] | None = None  # a plain text chunk's JSON around its content
 
     def _chunk(self, delta: dict[str, Any], *, finish_reason: str | None = None, extra: dict[str, Any] | None = None) -> Frame:
         choice: dict[str, Any] = {"index": self._index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -171,8 +174,21 @@ class ChatStreamEncoder(DoneOnce):
             extra["logprobs"] = logprobs_json(delta.logprobs)
         if not (delta.text or extra):
             return []
+        if not extra and isinstance(delta, Content):
+            return [self._plain_text(delta.text)]
         fields = {"content": delta.text} if isinstance(delta, Content) else {"reasoning_content": delta.text, "reasoning": delta.text}
         return [self._chunk(fields, extra=extra or None)]
+
+    def _plain_text(self, text: str) -> Frame:
+        """The most common chunk (text, nothing else), the same bytes as `_chunk({"content": text})`: the
+        rest of its JSON is the same for every token, so it is rendered once and the text spliced in."""
+        if self._text_template is None:
+            marker = orjson.dumps("\x00").decode()  # a string no JSON text of ours ends with, but this one
+            data = self._chunk({"content": "\x00"}).data
+            cut = data.rindex(marker)  # the content is the last string in the chunk (a model name may hold anything)
+            self._text_template = (data[:cut], data[cut + len(marker) :])
+        before, after = self._text_template
+        return Frame(before + orjson.dumps(text).decode() + after)
 
 
 class ChatCompletionAccumulator:

@@ -178,3 +178,18 @@ def test_a_stop_sequence_finish_names_the_stop_as_vllms_stop_reason_streamed_and
     assert whole.choice(0)["stop_reason"] == "three"
     [plain] = [p for p in payloads(run("plain_text")) if p != "[DONE]" and p["choices"][0]["finish_reason"]]
     assert "stop_reason" not in plain["choices"][0]  # only a stop sequence says which one
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_plain_text_chunk_spliced_into_its_template_is_byte_for_byte_the_chunk_built_whole(include_usage: bool) -> None:
+    """The per-token fast path renders a text chunk's JSON once and splices each text in; whatever the text
+    (quotes, escapes, control characters, astral characters, the marker itself) and whatever the model
+    name holds, the frame is the one `_chunk` builds from the dict."""
+    from shared.deltas import Content
+
+    texts = ["Hello", ' "quoted" \\ back', "\x00", "\n\t\u2028", "🎉 日本", "", "}]}", '\\u0000"']
+    for model in ("tiny-chat", 'odd "\x00" model'):
+        encoder = ChatStreamEncoder(request(Protocol.OPENAI_CHAT, stream=True, model=model, include_usage=include_usage))
+        encoder.feed(Content(text="warm", token_ids=(1,)))
+        for text in texts:
+            assert encoder._plain_text(text) == encoder._chunk({"content": text}), (model, text)
