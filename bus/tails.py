@@ -3,8 +3,10 @@ and a buffer, not a Redis connection (design invariant 14).
 
 A `Tails` hub runs a few reader tasks. Each reader owns a group of subscriptions and reads all of
 their streams in one `XREAD BLOCK` call, hands each subscription the entries of its stream, and
-calls again. On a single server a reader's streams may be any keys (subscriptions go to the least
-busy of `Pace.readers`); on a Redis Cluster one call may only name keys of one hash slot, so there is a
+calls again. On a single server a reader's streams may be any keys: a subscription goes to the least
+busy reader, and another reader starts only once each has `Pace.per_reader` streams (up to
+`Pace.readers`), since every call has a fixed cost, paid per reader each time the workers write. On a
+Redis Cluster one call may only name keys of one hash slot, so there is a
 reader per slot in use (per-request keys are sharded into few slots: shared.keys.request_shard).
 
 A blocked reader learns of a new subscription through its doorbell: a one-entry stream of its own,
@@ -52,7 +54,8 @@ BELL_TTL_S = 86_400
 class Pace:
     """A hub's limits (tests shorten them)."""
 
-    readers: int = 4  # reader tasks on a single server
+    readers: int = 4  # most reader tasks on a single server
+    per_reader: int = 1024  # streams a reader takes before another one starts (each call has a fixed cost)
     block_ms: int = 2_000  # a reader's longest wait in one call (a doorbell ends it sooner); under redis-py's 5 s socket timeout
     buffer: int = 512  # entries a subscription holds before its stream is left out of reads
     quiet_s: float = 1.0  # a subscription with nothing for this long is woken with nothing
@@ -64,7 +67,7 @@ class Subscription:
     """One consumer of one delta stream: the entries read for it and not yet taken."""
 
     key: str
-    last: str  # the id of the last entry handed to this subscription ("0-0": from the start)
+    last: bytes | str  # the id of the last entry handed to this subscription ("0-0": from the start)
     entries: list[Entry] = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
     quiet_since: float = field(default_factory=time.monotonic)
@@ -145,10 +148,11 @@ class Tails:
     def _reader_for(self, key: str) -> _Reader:
         if self._cluster:
             group: Hashable = keys.hash_tag(key)
-        elif len(self._readers) < self.pace.readers:
-            group = str(len(self._readers))
         else:
-            group = min(self._readers, key=lambda g: len(self._readers[g].subs))
+            least = min(self._readers, key=lambda g: len(self._readers[g].subs), default=None)
+            if least is None or (len(self._readers[least].subs) >= self.pace.per_reader and len(self._readers) < self.pace.readers):
+                least = str(len(self._readers))
+            group = least
         reader = self._readers.get(group)
         if reader is None:
             reader = self._readers[group] = _Reader(self, keys.tail_doorbell(self.node, str(group)))
@@ -242,9 +246,9 @@ class _Reader:
             self._failing_since = None
             self._deliver(reply or [])
 
-    def _streams(self) -> dict[str, str]:
+    def _streams(self) -> dict[str, bytes | str]:
         """Each stream to read, from the earliest entry any of its subscriptions still needs."""
-        out: dict[str, str] = {}
+        out: dict[str, bytes | str] = {}
         for key, subs in self.subs.items():
             live = [s.last for s in subs if not s.paused]
             if live:
@@ -275,11 +279,11 @@ class _Reader:
             for sub in subs:
                 if sub.paused:
                     continue  # read on from its own last entry once it has taken what it holds
-                fresh = entries if sub.last == "0-0" or len(subs) == 1 else [e for e in entries if _id_key(e[0]) > _id_key(sub.last)]
+                fresh = entries if len(subs) == 1 else [e for e in entries if _id_key(e[0]) > _id_key(sub.last)]
                 if not fresh:
                     continue
                 sub.entries.extend(fresh)
-                sub.last = _text(fresh[-1][0])
+                sub.last = fresh[-1][0]
                 sub.quiet_since = now
                 sub.paused = len(sub.entries) >= limit
                 sub.event.set()

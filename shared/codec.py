@@ -107,6 +107,8 @@ def decode_delta(raw: bytes | str) -> StreamDelta:
 
 def delta_from_dict(doc: dict[str, Any]) -> StreamDelta:
     _check_version(doc)
+    if doc.get("t") == "content" and not doc.get("logprobs") and not doc.get("prompt_logprobs"):  # nearly every delta: built directly
+        return Content(text=doc["text"], token_ids=tuple(doc.get("token_ids", ())), attempt=doc.get("attempt", 1))
     cls = _DELTA_TYPES.get(doc.get("t", ""))
     if cls is None:
         raise CodecError(f"unknown delta type {doc.get('t')!r}")

@@ -37,7 +37,7 @@ def test_a_thousand_streams_are_read_by_a_few_calls_on_a_few_connections(redis_s
 
     async def scenario() -> tuple[list[list[int]], int, int]:
         redis = connect(redis_server, max_connections=16)
-        tails = Tails(redis, field="n", node="t1", pace=Pace(readers=4))
+        tails = Tails(redis, field="n", node="t1", pace=Pace(readers=4, per_reader=250))
         names = [stream(f"k{i}") for i in range(1000)]
         subs = [tails.subscribe(name) for name in names]
         await asyncio.sleep(0.2)  # every reader blocked on its share
