@@ -83,6 +83,13 @@ DrainTimeout = Annotated[float | None, typer.Option(help="On SIGTERM, seconds a 
 MaxDeliveries = Annotated[int | None, typer.Option(help="Deliveries after which a request that keeps killing workers goes to the dead letters.")]
 DumpTtl = Annotated[int | None, typer.Option(help="Seconds a finished request's dump (IR, deltas, timings) stays in Redis.")]
 MaxTokensPerStep = Annotated[int | None, typer.Option(help="Prefill + decode tokens one scheduler step may process.")]
+StreamInterval = Annotated[
+    int | None,
+    typer.Option(
+        help="Tokens per streamed text delta (vLLM's --stream-interval): 1 (default) sends each token as it is sampled; "
+        "k > 1 merges k tokens into one delta (the first at once), a k-th of the per-token work for the worker, Redis, the API node and the client."
+    ),
+]
 ServedName = Annotated[str | None, typer.Option(help="Model name reported by /v1/models (default: from the model).")]
 ApiKeys = Annotated[
     list[str] | None,
@@ -222,6 +229,7 @@ def serve(
     max_output_tokens: MaxOutputTokens = None,
     max_queue: MaxQueue = None,
     max_tokens_per_step: MaxTokensPerStep = None,
+    stream_interval: StreamInterval = None,
     request_timeout: RequestTimeout = None,
     resume_grace_s: ResumeGrace = None,
     lease_s: LeaseS = None,
@@ -344,6 +352,7 @@ def worker(
     prefix_cache: PrefixCache = None,
     max_model_len: MaxModelLen = None,
     max_tokens_per_step: MaxTokensPerStep = None,
+    stream_interval: StreamInterval = None,
     request_timeout: RequestTimeout = None,
     lease_s: LeaseS = None,
     drain_timeout: DrainTimeout = None,

@@ -46,6 +46,7 @@ class Settings:
     max_output_tokens: int = 0  # the operator's cap on any request's max_tokens, also one that names none (0 = no cap)
     max_running: int = 32  # sequences decoded together in one step
     max_tokens_per_step: int = 512  # prefill + decode tokens one step may process
+    stream_interval: int = 1  # tokens merged into one Content delta before it is written (workers.coalesce; 1: every token at once)
     kv_budget_mb: int = 0  # memory for the KV block pool, per worker; 0 = a share of free memory (see workers.kv_cache)
     prefix_cache: bool = True  # reuse the KV blocks of identical prompt prefixes (`--no-prefix-cache`)
     max_queue: int = 256  # accepted-but-unfinished requests beyond which admission refuses

@@ -48,6 +48,7 @@ from shared.deltas import Error, ErrorKind, Finish, FinishReason, StreamDelta, U
 from shared.ir import Request
 from shared.settings import Settings
 from workers import leases
+from workers.coalesce import Coalescer
 from workers.engine import FAILED_ADD, Emission, Engine
 from workers.faults import FAULT_INJECTION_FILE, FaultyRunner, fault_injection
 
@@ -104,6 +105,7 @@ class ClaimLoop(Generic[E]):
         self._due: dict[str, float] = defaultdict(float)
         self.faults = fault_injection(settings)
         self.outbox: list[Emission] = []  # deltas not written yet (Redis did not answer), in order
+        self.coalesce = Coalescer(settings.stream_interval)  # --stream-interval: Content held and merged before the outbox
         self.settle: dict[str, str] = {}  # request → outcome: terminal written, ack / feed not yet
         self.figures: dict[str, Any] = {}  # the engine's figures, handed over by the hooks (heartbeat)
         self.redis_down_since: float | None = None
@@ -162,7 +164,7 @@ class ClaimLoop(Generic[E]):
             except RedisError as exc:
                 self._lost(exc)
         if self.engine.has_work() or self.claims_on_own_task:  # (then the idle loop waits in the step)
-            self.outbox.extend(await self.run_step())
+            self.outbox.extend(self.coalesce.take(await self.run_step()))
         elif not self.redis_up():
             await asyncio.sleep(min(0.2, max(0.0, self._retry_at - time.monotonic())))
         if self.redis_up():
@@ -408,7 +410,7 @@ class ClaimLoop(Generic[E]):
         settle (ack, count, feed) the requests that ended. On a Redis error what is not confirmed stays
         queued (the error propagates): the next try resends it, and the script skips what it had written."""
         async with self._publishing:  # one write at a time: a gateway's claimer publishes beside the step loop
-            self.outbox.extend(emissions)
+            self.outbox.extend(self.coalesce.take(emissions))
             if self.outbox:
                 await self._write_outbox()
             if self.settle:
@@ -452,6 +454,7 @@ class ClaimLoop(Generic[E]):
             log.warning("request %s: attempt %d is stale; another worker owns it now", rid, write.attempt)
             self.stale_total += 1
             self.engine.discard(rid)
+            self.coalesce.forget(rid)
             self.held.pop(rid, None)
             self.operator_cancels.discard(rid)
             return
@@ -542,6 +545,7 @@ class ClaimLoop(Generic[E]):
             log.warning("redis unavailable while leaving (%s): %d request(s) left go to another worker when their lease lapses", type(exc).__name__, len(left))
         for rid, _ in left:
             self.engine.discard(rid)
+            self.coalesce.forget(rid)
         self.held.clear()
 
 
