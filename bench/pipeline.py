@@ -63,6 +63,7 @@ class Server:
     ports: list[int]
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
+    redis_url: str = ""
 
     def log_tail(self) -> str:
         return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in self.logs if p.exists())
@@ -95,11 +96,12 @@ def topology(kind: str, workdir: Path, args: list[str]) -> Iterator[Server]:
             cmd = [*met, "serve", "--no-tui", "--port", str(port), "--data-dir", str(workdir), "--workers", "1", *args]
             server.logs.append(workdir / "serve.log")
             server.procs.append(_spawn(cmd, server.logs[-1], env))
+            server.redis_url = str(workdir / "redis.url")  # read once it exists (`serve` writes it at start)
         else:
             redis = EmbeddedRedis(str(workdir / "redis"))
             url = redis.start()
             stack.callback(redis.stop)
-            server = Server([free_port(), free_port()])
+            server = Server([free_port(), free_port()], redis_url=url)
             for i, port in enumerate(server.ports):
                 server.logs.append(workdir / f"api{i}.log")
                 server.procs.append(_spawn([*met, "api", "--redis-url", url, "--port", str(port), *args], server.logs[-1], env))
@@ -109,6 +111,8 @@ def topology(kind: str, workdir: Path, args: list[str]) -> Iterator[Server]:
             server.procs.append(_redis_proc(redis))
         stack.callback(_stop, server)
         _wait_ready(server, workers=1 if kind == "1x1" else 2)
+        if kind == "1x1":
+            server.redis_url = Path(server.redis_url).read_text().strip()
         yield server
 
 
@@ -149,6 +153,20 @@ def _stop(server: Server) -> None:
             proc.wait(10)
 
 
+def worker_phases(server: Server) -> dict[str, float]:
+    """The workers' CPU ms per loop phase (workers.loop.Phases), summed over their heartbeats."""
+    import redis
+
+    totals: dict[str, float] = {}
+    with redis.Redis.from_url(server.redis_url) as client:
+        for key in client.scan_iter(match="met:worker:*"):
+            for name, value in client.hgetall(key).items():
+                field_name = name.decode()
+                if field_name.startswith("cpu_") and field_name.endswith("_ms"):
+                    totals[field_name[4:-3]] = totals.get(field_name[4:-3], 0.0) + float(value)
+    return totals
+
+
 @dataclass
 class LoadResult:
     streams: int
@@ -156,6 +174,7 @@ class LoadResult:
     results: list[StreamResult]
     ready: ReadyWatch
     cpu_s: dict[str, float]
+    phases_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def complete(self) -> list[StreamResult]:
@@ -199,15 +218,18 @@ def warm_up(server: Server, model: str, timeout_s: float) -> None:
 
 def run_load(server: Server, streams: int, tokens: int, model: str, timeout_s: float) -> LoadResult:
     body = chat_body(model=model, prompt=PROMPT, max_tokens=tokens)
+    phases = worker_phases(server)
     samplers = [TreeSampler(p.pid, max_duration_s=timeout_s + 60).start() for p in server.procs]
     results, watch, wall = asyncio.run(_load(server.ports, streams, body, timeout_s))
+    time.sleep(1.5)  # a heartbeat after the last step
+    after = worker_phases(server)
     cpu: dict[str, float] = {}
     for sampler in samplers:
         usage = sampler.stop()
         for role, seconds in usage.cpu_by_role.items():
             cpu[role] = cpu.get(role, 0.0) + seconds
         cpu["client"] = usage.bench_cpu_s
-    return LoadResult(streams, wall, results, watch, cpu)
+    return LoadResult(streams, wall, results, watch, cpu, {name: after[name] - phases.get(name, 0.0) for name in after})
 
 
 def report(result: LoadResult, *, step_ms: float) -> dict[str, object]:
@@ -227,6 +249,7 @@ def report(result: LoadResult, *, step_ms: float) -> dict[str, object]:
         "ready_failures": result.ready.failures[:3],
         "cpu_ms_per_1k": per_1k,
         "server_cpu_ms_per_1k": round(sum(per_1k[r] for r in server_roles), 1),
+        "worker_phases_ms_per_1k": {name: round(ms * 1000 / tokens, 1) for name, ms in result.phases_ms.items()},
     }
     if step_ms:
         row["itl_added_p50_ms"] = round(percentile(gaps, 50) - step_ms, 1)
@@ -277,7 +300,7 @@ def _line(row: dict[str, object]) -> str:
     return (
         f"{row['streams']:>5} streams: {row['delivered_tok_s']:>8} tok/s, {row['complete']} complete, errors {row['errors'] or 0}, "
         f"ITL p50 {row['itl_p50_ms']} / p99 {row['itl_p99_ms']} ms, /ready {row['ready']}, "
-        f"server CPU {row['server_cpu_ms_per_1k']} ms per 1k tokens ({parts})"
+        f"server CPU {row['server_cpu_ms_per_1k']} ms per 1k tokens ({parts}); worker phases {row['worker_phases_ms_per_1k']}"
         + (f"; rounds {row['server_cpu_ms_per_1k_rounds']}" if "server_cpu_ms_per_1k_rounds" in row else "")
     )
 

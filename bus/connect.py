@@ -6,7 +6,7 @@
   those nodes (it discovers the rest and follows MOVED / ASK on resharding and failover).
 
 Cluster rules the code keeps (audited; see the README's Redis Cluster section):
-- every Lua script and MULTI/EXEC touches one hash slot: the per-request keys share `{req:<id>}`, a
+- every Lua script and MULTI/EXEC touches one hash slot: the per-request keys share their shard's `{req:<shard>}`, a
   caller's rate buckets `{<caller>}`, a batch's keys `{<batch id>}`, a file's `{<file id>}`;
 - a non-transactional pipeline may span slots, but redis-py sends each node's share concurrently, so
   no order holds between slots: where order matters (ingest.publish) it is two round trips;

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Protocol
 from blacksheep import Response
 from blacksheep.contents import StreamedContent
 
-from bus.tails import Tails
+from bus.tails import Entry, Tails
 from encoders.fan_in import Tagged, is_last, tag_terminal
 from encoders.frames import Frame
 from shared import keys
@@ -61,10 +61,11 @@ TIMED_OUT = "The request timed out before a worker finished it."
 
 
 class Presence:
-    """Whether the client of one HTTP request is still connected, learned without polling: a task awaits
-    the ASGI `receive()` (after the body was read it returns only `http.disconnect`), and on disconnect
-    sets `gone` and calls every waker registered with `on_gone` (the stream's subscriptions), so the
-    response ends at once. `Presence()` (no receive): a client that never leaves (tests, followers)."""
+    """Whether the client of one HTTP request is still connected, learned without polling: while any stream
+    of the request waits (`on_gone` registered its waker), a task awaits the ASGI `receive()` (after the
+    body was read it returns only `http.disconnect`), and on disconnect sets `gone` and calls every
+    registered waker, so the response ends at once. The task stops when the last waker is removed
+    (`off`). `Presence()` (no receive): a client that never leaves (tests, followers)."""
 
     def __init__(self, receive: Receive | None = None) -> None:
         self.gone = False
@@ -74,8 +75,15 @@ class Presence:
 
     def on_gone(self, wake: Callable[[], None]) -> None:
         self._wakers.append(wake)
-        if self._receive is not None and self._task is None:
+        if self._receive is not None and self._task is None and not self.gone:
             self._task = asyncio.create_task(self._watch(self._receive))
+
+    def off(self, wake: Callable[[], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._wakers.remove(wake)
+        if not self._wakers and self._task is not None:
+            self._task.cancel()
+            self._task = None
 
     async def _watch(self, receive: Receive) -> None:
         with contextlib.suppress(Exception):  # a receive that fails is a connection that is gone
@@ -86,12 +94,8 @@ class Presence:
     def leave(self) -> None:
         """The client is gone (its connection closed, or a test says so): wake whoever waits for it."""
         self.gone = True
-        for wake in self._wakers:
+        for wake in list(self._wakers):
             wake()
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
 
 
 class Observer(Protocol):
@@ -116,21 +120,11 @@ async def tail(
     sub = tails.subscribe(keys.delta_stream(request_id))  # the hub hands over each entry's DELTA_FIELD
     if presence is not None:
         presence.on_gone(sub.wake)
+        if presence.gone:
+            sub.wake()
     try:
         while True:
-            entries = await sub.take()
-            batch: Batch = []
-            for _entry_id, payload in entries:
-                if payload is None:
-                    continue  # the marker that created the stream
-                delta = decode_delta(payload)
-                batch.append(delta)
-                if is_terminal(delta):
-                    break
-            if sub.error and not (batch and is_terminal(batch[-1])):
-                batch.append(Error(message=LOST_REDIS, kind=ErrorKind.INTERNAL, attempt=0))
-            if not batch and time.time() > deadline:
-                batch.append(Error(message=TIMED_OUT, kind=ErrorKind.TIMEOUT, attempt=0))
+            batch = _batch_of(await sub.take(), error=sub.error, deadline=deadline)
             if not batch:
                 yield None
                 continue
@@ -141,8 +135,28 @@ async def tail(
                 return
     finally:
         tails.unsubscribe(sub)
+        if presence is not None:
+            presence.off(sub.wake)
         if observer is not None:
             observer.close()
+
+
+def _batch_of(entries: list[Entry], *, error: str, deadline: float) -> Batch:
+    """The deltas of what a subscription took, up to a terminal one; a synthesized Error after a long
+    Redis outage (`error`) or past `deadline` with nothing come; [] when quiet."""
+    batch: Batch = []
+    for _entry_id, payload in entries:
+        if payload is None:
+            continue  # the marker that created the stream
+        delta = decode_delta(payload)
+        batch.append(delta)
+        if is_terminal(delta):
+            return batch
+    if error:
+        batch.append(Error(message=LOST_REDIS, kind=ErrorKind.INTERNAL, attempt=0))
+    elif not batch and time.time() > deadline:
+        batch.append(Error(message=TIMED_OUT, kind=ErrorKind.TIMEOUT, attempt=0))
+    return batch
 
 
 async def fan_in(tails: list[AsyncIterator[Batch | None]]) -> AsyncIterator[list[Tagged] | None]:
@@ -332,7 +346,6 @@ async def sse_events(
             if finish:
                 yield finish
     finally:
-        presence.stop()
         if not completed:
             await asyncio.shield(client.on_abandon())
         close = getattr(deltas, "aclose", None)
@@ -362,7 +375,6 @@ async def collect(deltas: AsyncIterator[Batch | None], *, client: ClientLink) ->
             if batch is not None:
                 gathered += batch
     finally:
-        client.presence.stop()
         close = getattr(deltas, "aclose", None)
         if close is not None:
             await close()

@@ -1,7 +1,7 @@
 """Reading dump records out of Redis: a request's IR key, meta hash and delta stream, and the time index.
 
 Owns: the Redis reads behind `met dump`, `met replay` and the `--dump-dir` writer (async, one pipeline
-per request; all of a request's keys share the `{req:<id>}` hash tag, so this works on a cluster).
+per request; all of a request's keys share its shard's `{req:<shard>}` hash tag, so this works on a cluster).
 Must not: write anything, or know the dump file format (shared.dumps does).
 """
 

@@ -1,7 +1,7 @@
 """Dump records: one finished (or in-flight) request as data — its IR, its ordered deltas, its meta.
 
 Owns: `DumpRecord` ↔ the JSON-ready dict written to dump files (`{"v": 1, "id", "request", "deltas",
-"meta", "outcome"}`), the typed reading of the `{req:<id>}:meta` hash and `compare()` (did a replay
+"meta", "outcome"}`), the typed reading of the `{req:<shard>}:<id>:meta` hash and `compare()` (did a replay
 produce the recorded output?). Re-encoding a record into SSE lives in `encoders.reencode`.
 Secrets never land in dumps: `record_to_dict` redacts every credential-like field it writes (the raw
 body was already redacted at ingest; redacting again is idempotent and byte-identical when clean).

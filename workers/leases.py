@@ -10,7 +10,7 @@
   with nor finish over the new owner. One call takes many requests' writes (a worker's whole step on a
   single server; on a cluster one call per hash slot, the per-request keys being sharded into few). The script writes with NOMKSTREAM (ingest created the stream),
   so an expired request is never recreated; on the terminal event it records the outcome and sets the
-  dump TTL on every key of the request (all in one `{req:<id>}` hash slot, so it is cluster-safe).
+  dump TTL on every key of the request (all in one `{req:<shard>}` hash slot, so it is cluster-safe).
 - XACK, the queue counter and the finished feed live in other slots, so they follow the script in
   the same pipeline only when it accepted the write.
 Must not: decide scheduling or touch torch.

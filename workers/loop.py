@@ -32,8 +32,9 @@ import os
 import socket
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
@@ -61,6 +62,30 @@ SWEEP_GRACE_S = 30.0  # an admitted id with no request after this long never rea
 BACKOFF_S = (0.05, 2.0)  # first and longest wait between tries while Redis does not answer
 CLAIM_BLOCK_MS = 200  # an idle worker's XREADGROUP block (and a claimer's: how soon it sees draining)
 OPERATOR_CANCEL_MESSAGE = "The request was cancelled by the server's operator."
+
+
+class Phases:
+    """CPU seconds the worker spent per phase: `step` on the torch thread (the engine: scheduler, model,
+    detokenization), `claim`, `cancels`, `write` (fenced writes and settles) and `periodic` on the loop's
+    thread. Thread CPU time (`time.thread_time`), so waiting on Redis or a forward is not counted; a
+    loop phase also counts what other tasks of the loop ran while it awaited (a heartbeat, a lease
+    renewal), which is small beside it."""
+
+    NAMES = ("step", "claim", "cancels", "write", "periodic")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.NAMES, 0.0)
+
+    @contextmanager
+    def cpu(self, name: str) -> Iterator[None]:
+        started = time.thread_time()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.thread_time() - started
+
+    def figures(self) -> dict[str, float]:
+        return {f"cpu_{name}_ms": round(seconds * 1000, 1) for name, seconds in self.seconds.items()}
 
 
 @dataclass(slots=True)
@@ -106,6 +131,7 @@ class ClaimLoop(Generic[E]):
         self.faults = fault_injection(settings)
         self.outbox: list[Emission] = []  # deltas not written yet (Redis did not answer), in order
         self.coalesce = Coalescer(settings.stream_interval)  # --stream-interval: Content held and merged before the outbox
+        self.phases = Phases()  # CPU seconds per phase of the loop (heartbeat figures; bench/pipeline.py reads them)
         self.settle: dict[str, str] = {}  # request → outcome: terminal written, ack / feed not yet
         self.figures: dict[str, Any] = {}  # the engine's figures, handed over by the hooks (heartbeat)
         self.redis_down_since: float | None = None
@@ -155,22 +181,29 @@ class ClaimLoop(Generic[E]):
         """One round: (Redis permitting) settle what an outage left, claim, check cancels; one engine
         step; (Redis permitting) write its deltas, then the periodic chores. Without Redis the step
         still runs and its deltas wait in the outbox."""
+        phases = self.phases
         if self.redis_up():
             try:
                 await self._catch_up()
                 if not self.draining:
-                    await self.claim_between_steps()
-                await self.check_cancels()
+                    with phases.cpu("claim"):
+                        await self.claim_between_steps()
+                with phases.cpu("cancels"):
+                    await self.check_cancels()
             except RedisError as exc:
                 self._lost(exc)
         if self.engine.has_work() or self.claims_on_own_task:  # (then the idle loop waits in the step)
-            self.outbox.extend(self.coalesce.take(await self.run_step()))
+            emissions = await self.run_step()
+            with phases.cpu("write"):
+                self.outbox.extend(self.coalesce.take(emissions))
         elif not self.redis_up():
             await asyncio.sleep(min(0.2, max(0.0, self._retry_at - time.monotonic())))
         if self.redis_up():
             try:
-                await self.publish([])
-                await self.periodic()
+                with phases.cpu("write"):
+                    await self.publish([])
+                with phases.cpu("periodic"):
+                    await self.periodic()
             except RedisError as exc:
                 self._lost(exc)
 
@@ -516,6 +549,7 @@ class ClaimLoop(Generic[E]):
             "cancelled": self.cancelled_total,
             "stale_writes": self.stale_total,
             "redis_outages": self.redis_outages,
+            **self.phases.figures(),
         }
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(keys.worker_info(self.worker_id), mapping=figures)
@@ -612,7 +646,8 @@ class WorkerLoop(ClaimLoop[Engine]):
 
     def _step(self) -> tuple[list[Emission], dict[str, Any]]:
         """In the step thread: the step's emissions and the figures after it."""
-        return self.engine.step(), self.engine.figures()
+        with self.phases.cpu("step"):  # this thread's CPU: the engine (scheduler, runner, text) without the loop's
+            return self.engine.step(), self.engine.figures()
 
     def capacity(self) -> int:
         """Room under `max_running`, while the block pool has a free block (the blocks in use, not

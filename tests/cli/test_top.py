@@ -24,11 +24,12 @@ from redis.asyncio import Redis
 from textual.pilot import Pilot
 from textual.widgets import Static
 
+from bus import cancels
 from cli.embedded_redis import free_port
 from cli.top import RequestScreen, TopApp
 from cli.top_snapshot import Snapshot, ThroughputHistory
 from shared import keys
-from shared.codec import encode_delta
+from shared.codec import ID_FIELD, encode_delta
 from shared.deltas import Content
 from shared.settings import Settings
 
@@ -214,8 +215,9 @@ def load(two_workers: LiveServer) -> Iterator[list[Future[str]]]:
             yield futures
         finally:
             client = two_workers.redis()
-            for rid in client.zrange(keys.REQUEST_INDEX, 0, -1):
-                client.set(keys.cancel_flag(rid.decode()), b"1", ex=600)
+            for rid in client.zrange(keys.REQUEST_INDEX, 0, -1):  # as bus.cancels.cancel does: the flag, then the workers' feed
+                client.set(keys.cancel_flag(rid.decode()), keys.CLIENT_CANCEL, ex=600)
+                client.xadd(keys.CANCELS, {ID_FIELD: rid, cancels.BY_FIELD: keys.CLIENT_CANCEL})
             for future in futures:
                 future.result(timeout=120)
             client.close()
