@@ -234,7 +234,15 @@ def sse_response(batches: AsyncIterator[list[Event]], headers: list[tuple[bytes,
             if count is not None:
                 count(-1)
 
-    return Response(200, headers, StreamedContent(b"text/event-stream", body))
+    return Response(200, headers, _EventStream(b"text/event-stream", body))
+
+
+class _EventStream(StreamedContent):
+    """blacksheep's streamed content, less the generator it wraps around ours to hand out our chunks
+    (one layer of async iteration per write; its own class iterates `get_parts()`, whatever it returns)."""
+
+    def get_parts(self) -> Any:  # (its stub calls it a coroutine; blacksheep iterates what it returns)
+        return self.generator()
 
 
 class Numbered:
