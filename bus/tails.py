@@ -266,8 +266,9 @@ class _Reader:
     def _deliver(self, reply: Any) -> None:
         now = time.monotonic()
         limit = self.hub.pace.buffer
+        name = self.hub.field
         for stream, raw_entries in _streams_of(reply):
-            key = _text(stream)
+            key = stream.decode() if type(stream) is bytes else stream
             if key == self.bell:
                 self.bell_last = _text(raw_entries[-1][0])
                 self.hub.bells += 1
@@ -275,14 +276,15 @@ class _Reader:
             subs = self.subs.get(key)
             if not subs:
                 continue
-            entries = [(entry_id, _value(fields, self.hub.field)) for entry_id, fields in raw_entries]
+            # (Redis sends each entry's fields as a flat list; ours lead with the one field we hand over)
+            entries = [(entry_id, fields[1] if type(fields) is list and fields[0] == name else _value(fields, name)) for entry_id, fields in raw_entries]
             for sub in subs:
                 if sub.paused:
                     continue  # read on from its own last entry once it has taken what it holds
                 fresh = entries if len(subs) == 1 else [e for e in entries if _id_key(e[0]) > _id_key(sub.last)]
                 if not fresh:
                     continue
-                sub.entries.extend(fresh)
+                sub.entries += fresh
                 sub.last = fresh[-1][0]
                 sub.quiet_since = now
                 sub.paused = len(sub.entries) >= limit
