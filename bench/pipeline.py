@@ -69,15 +69,30 @@ class Server:
         return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in self.logs if p.exists())
 
 
-def model_args(engine: str, cache: Path, sim_step_ms: float) -> list[str]:
-    if engine == "sim":
-        return ["--model-impl", "sim", "--sim-step-ms", str(sim_step_ms)]
-    return ["--model", str(build_tiny_model(cache / TINY_NAME))]
+@dataclass(frozen=True)
+class Flags:
+    """Each role's flags: `met api` takes the API node's, `met worker` the worker's, `met serve` both."""
+
+    api: tuple[str, ...]
+    worker: tuple[str, ...]
+
+    @property
+    def serve(self) -> list[str]:
+        return [*self.api, *self.worker]
 
 
-def sizing_args(streams: int) -> list[str]:
+def flags_for(engine: str, cache: Path, sim_step_ms: float, streams: int, extra: list[str]) -> Flags:
+    model = ("--model", str(build_tiny_model(cache / TINY_NAME))) if engine == "tiny" else ()
+    engine_flags = ("--model-impl", "sim", "--sim-step-ms", str(sim_step_ms)) if engine == "sim" else ()
     room = str(max(streams, 32))
-    return ["--max-running", room, "--max-queue", str(max(streams * 2, 256)), "--max-connections", str(max(streams * 2, 1024))]
+    api = (*model, "--max-queue", str(max(streams * 2, 256)), "--max-connections", str(max(streams * 2, 1024)))
+    worker = (*model, *engine_flags, "--max-running", room)
+    extra_api = tuple(f for f in extra if f.split("=")[0] in API_FLAGS)
+    extra_worker = tuple(f for f in extra if f.split("=")[0] not in API_FLAGS)
+    return Flags(api + extra_api, worker + extra_worker)
+
+
+API_FLAGS = {"--redis-max-connections", "--max-queue", "--max-connections", "--ping-interval"}  # --flag values that go to the API node
 
 
 def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -86,14 +101,14 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[b
 
 
 @contextmanager
-def topology(kind: str, workdir: Path, args: list[str]) -> Iterator[Server]:
+def topology(kind: str, workdir: Path, flags: Flags) -> Iterator[Server]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     met = [sys.executable, "-m", "cli.main"]
     with ExitStack() as stack:
         if kind == "1x1":
             port = free_port()
             server = Server([port])
-            cmd = [*met, "serve", "--no-tui", "--port", str(port), "--data-dir", str(workdir), "--workers", "1", *args]
+            cmd = [*met, "serve", "--no-tui", "--port", str(port), "--data-dir", str(workdir), "--workers", "1", *flags.serve]
             server.logs.append(workdir / "serve.log")
             server.procs.append(_spawn(cmd, server.logs[-1], env))
             server.redis_url = str(workdir / "redis.url")  # read once it exists (`serve` writes it at start)
@@ -104,10 +119,10 @@ def topology(kind: str, workdir: Path, args: list[str]) -> Iterator[Server]:
             server = Server([free_port(), free_port()], redis_url=url)
             for i, port in enumerate(server.ports):
                 server.logs.append(workdir / f"api{i}.log")
-                server.procs.append(_spawn([*met, "api", "--redis-url", url, "--port", str(port), *args], server.logs[-1], env))
+                server.procs.append(_spawn([*met, "api", "--redis-url", url, "--port", str(port), *flags.api], server.logs[-1], env))
             for i in range(2):
                 server.logs.append(workdir / f"worker{i}.log")
-                server.procs.append(_spawn([*met, "worker", "--redis-url", url, *args], server.logs[-1], env))
+                server.procs.append(_spawn([*met, "worker", "--redis-url", url, *flags.worker], server.logs[-1], env))
             server.procs.append(_redis_proc(redis))
         stack.callback(_stop, server)
         _wait_ready(server, workers=1 if kind == "1x1" else 2)
@@ -266,7 +281,7 @@ def main() -> None:
     parser.add_argument("--engine", choices=("tiny", "sim"), default="tiny")
     parser.add_argument("--sim-step-ms", type=float, default=20.0)
     parser.add_argument("--topology", choices=("1x1", "2x2"), default="1x1")
-    parser.add_argument("--flag", action="append", default=[], help="an extra flag for every met process (repeatable)")
+    parser.add_argument("--flag", action="append", default=[], help="an extra flag (--name=value), for the API nodes or the workers as its name says (repeatable)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--rounds", type=int, default=1, help="loads per stream count on the same server; the median round by server CPU is reported")
     parser.add_argument("--json", action="store_true")
@@ -276,8 +291,8 @@ def main() -> None:
     rows = []
     for streams in (int(s) for s in opts.streams.split(",")):
         with tempfile.TemporaryDirectory(prefix="met-pipeline-") as tmp:
-            args = [*model_args(opts.engine, cache, opts.sim_step_ms), *sizing_args(streams), *opts.flag]
-            with topology(opts.topology, Path(tmp), args) as server:
+            flags = flags_for(opts.engine, cache, opts.sim_step_ms, streams, opts.flag)
+            with topology(opts.topology, Path(tmp), flags) as server:
                 model = httpx.get(f"http://127.0.0.1:{server.ports[0]}/v1/models", timeout=10).json()["data"][0]["id"]
                 warm_up(server, model, opts.timeout_s)
                 rounds = [report(run_load(server, streams, opts.tokens, model, opts.timeout_s), step_ms=step_ms(opts)) for _ in range(opts.rounds)]
