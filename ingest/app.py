@@ -119,14 +119,13 @@ class Api:
             raw_body=orjson.dumps(redact(body)).decode(),
         )
 
-    def prepare_parts(self, surface: Surface, body: Any, request: Request) -> tuple[Request, list[Request]]:
-        """The first request a body becomes, prepared, and every part to queue (each `n` choice its own);
-        refused (413) when the parts would store more than `--max-stored-request-bytes`
-        (ingest.limits.check_stored_size). No I/O: runs on a tokenizing thread."""
+    def prepare_parts(self, surface: Surface, body: Any, request: Request) -> tuple[Request, list[Request], list[bytes]]:
+        """The first request a body becomes, prepared, every part to queue (each `n` choice its own), and
+        each part's encoded record; refused (413) when the parts would store more than
+        `--max-stored-request-bytes` (ingest.limits.check_stored_size). No I/O: runs on a tokenizing thread."""
         requests = [self.prepare(r, body) for r in surface.expand(body, request, self.renderer)]
         parts = [part for r in requests for part in fan_out(r)]
-        check_stored_size(parts, self.settings.max_stored_request_bytes)
-        return requests[0], parts
+        return requests[0], parts, check_stored_size(parts, self.settings.max_stored_request_bytes)
 
     async def charge(self, http: HttpRequest, parts: list[Request]) -> None:
         """Rate limits (ingest.limits): one request, and for each part its prompt plus the most it may generate."""
@@ -134,10 +133,11 @@ class Api:
         tokens = sum(len(p.prompt_token_ids) + (p.sampling.max_tokens or limit - len(p.prompt_token_ids)) for p in parts)
         await self.limiter.charge(caller_of(http), tokens=tokens)
 
-    async def publish(self, parts: list[Request], *, owner: str) -> None:
-        """Admit (queue depth) and XADD every part of a request, or refuse before anything is queued."""
+    async def publish(self, parts: list[Request], encoded: list[bytes], *, owner: str) -> None:
+        """Admit (queue depth) and XADD every part of a request (`encoded`: their records), or refuse before anything is queued."""
         try:
-            admitted = await admit_and_submit(self.redis, parts, self.settings.max_queue, request_timeout=self.settings.request_timeout, owner=owner)
+            limit, timeout = self.settings.max_queue, self.settings.request_timeout
+            admitted = await admit_and_submit(self.redis, parts, limit, request_timeout=timeout, owner=owner, encoded=encoded)
             if not admitted:
                 raise ApiError(
                     f"The server is at its queue limit ({self.settings.max_queue} requests); retry shortly.",
@@ -278,9 +278,9 @@ class Api:
         caller = caller_of(http)
         parsed = surface.parse(body, request_id=new_id(), created=time.time())
         request, store = await surface.session(self.redis, self.settings, body, parsed, caller)
-        request, parts = await self.tokenizing.run(len(raw), partial(self.prepare_parts, surface, body, request))
+        request, parts, encoded = await self.tokenizing.run(len(raw), partial(self.prepare_parts, surface, body, request))
         await self.charge(http, parts)
-        await self.publish(parts, owner=caller)
+        await self.publish(parts, encoded, owner=caller)
         background = surface.background(body)
         if background and not request.stream:
             self.followers.follow(self.deltas(request, http), request, store)

@@ -86,12 +86,12 @@ async def read_body(http: HttpRequest, max_bytes: int, *, timeout_s: float = 0.0
     return bytes(body)
 
 
-def check_stored_size(parts: Sequence[Request], max_bytes: int) -> None:
-    """413 when queueing `parts` would store more than `max_bytes` in Redis (each part's record twice)."""
-    if max_bytes <= 0:
-        return
-    stored = 2 * sum(len(encode_request(part)) for part in parts)
-    if stored > max_bytes:
+def check_stored_size(parts: Sequence[Request], max_bytes: int) -> list[bytes]:
+    """Each part's record as it will be stored, or 413 when queueing `parts` would store more than
+    `max_bytes` in Redis (each part's record twice; 0: no limit)."""
+    encoded = [encode_request(part) for part in parts]
+    stored = 2 * sum(len(e) for e in encoded)
+    if 0 < max_bytes < stored:
         raise ApiError(
             f"This request would store {stored} bytes ({len(parts)} part(s), each kept twice), more than the limit of "
             f"{max_bytes} bytes per request (max_stored_request_bytes). Send a smaller body or fewer choices (n).",
@@ -99,6 +99,7 @@ def check_stored_size(parts: Sequence[Request], max_bytes: int) -> None:
             kind="too_large",
             code="request_too_large",
         )
+    return encoded
 
 
 def parse_json(raw: bytes, max_depth: int) -> Any:

@@ -46,6 +46,7 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 # vLLM's buckets (seconds).
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+QUEUE_TIME_EVERY_S = 1.0  # finished requests' queue times are read together this often
 _LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
@@ -193,9 +194,11 @@ class Metrics:
         self.e2e = Histogram("met_e2e_request_latency_seconds", "Time from acceptance to the terminal event at the API.", registry=r, buckets=_LATENCY)
         self.cluster = ClusterCollector()
         r.register(self.cluster)
-        self._reads: set[asyncio.Task[None]] = set()  # queue-time reads in flight
+        self._queue_ids: list[str] = []  # finished requests whose queue time is not read yet
+        self._flusher: asyncio.Task[None] | None = None
 
     async def render(self) -> bytes:
+        await self.flush_queue_times()
         self.cluster.figures = await read_cluster(self.redis, heartbeat_ttl=self.heartbeat_ttl)
         return generate_latest(self.registry)
 
@@ -223,17 +226,31 @@ class Metrics:
             self.generation_tokens.inc(delta.usage.completion_tokens)
         if isinstance(delta, Error) and delta.attempt == 0:
             return  # synthesized by the API (deadline): no worker claimed it
-        task = asyncio.create_task(self._queue_time(request.id))  # off the stream's path: nothing waits for it
-        self._reads.add(task)
-        task.add_done_callback(self._reads.discard)
+        self._queue_ids.append(request.id)  # its queue time is read with others' (`flush_queue_times`)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_later())
 
-    async def _queue_time(self, request_id: str) -> None:
+    async def _flush_later(self) -> None:
+        await asyncio.sleep(QUEUE_TIME_EVERY_S)
+        await self.flush_queue_times()
+
+    async def flush_queue_times(self) -> None:
+        """Observe the queue time (`claimed_at - received_at`, from their meta hashes) of the requests
+        finished since the last flush, in one round trip: every second while requests finish, and
+        before each scrape (`render`). One read per request cost an API node a Redis command each."""
+        ids, self._queue_ids = self._queue_ids, []
+        if not ids:
+            return
         try:
-            received, claimed = await self.redis.hmget(keys.request_meta(request_id), [Meta.RECEIVED_AT, Meta.CLAIMED_AT])
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for rid in ids:
+                    pipe.hmget(keys.request_meta(rid), [Meta.RECEIVED_AT, Meta.CLAIMED_AT])
+                rows = await pipe.execute()
         except RedisError:
             return
-        if received is not None and claimed is not None:
-            self.queue_time.observe(max(0.0, float(claimed) - float(received)))
+        for received, claimed in rows:
+            if received is not None and claimed is not None:
+                self.queue_time.observe(max(0.0, float(claimed) - float(received)))
 
 
 class Observation:

@@ -156,10 +156,13 @@ return redis.call('ZCARD', KEYS[1])
 """
 
 
-async def admit_and_submit(redis: Redis, parts: list[Request], limit: int, *, request_timeout: float, owner: str = ANONYMOUS) -> bool:
+async def admit_and_submit(
+    redis: Redis, parts: list[Request], limit: int, *, request_timeout: float, owner: str = ANONYMOUS, encoded: list[bytes] | None = None
+) -> bool:
     """`admit` every part and `submit` each, or nothing when the queue is full (False). One round trip and
     one atomic script on a single server (the API node's per-request Redis work: before, a script and a
-    six-command pipeline); on a cluster, whose keys hash apart, `admit` then `submit_all`."""
+    six-command pipeline); on a cluster, whose keys hash apart, `admit` then `submit_all`. `encoded`: the
+    parts' records when the caller has them already."""
     if is_cluster(redis):
         if not await admit(redis, [p.id for p in parts], limit, request_timeout=request_timeout):
             return False
@@ -168,9 +171,9 @@ async def admit_and_submit(redis: Redis, parts: list[Request], limit: int, *, re
     now = time.time()
     script_keys = [keys.INFLIGHT, keys.REQUEST_INDEX, keys.REQUEST_STREAM]
     args: list[Any] = [limit, now - request_timeout - LIFETIME_MARGIN_S, now, owner]
-    for part in parts:
+    for part, record in zip(parts, encoded or [encode_request(p) for p in parts], strict=True):
         script_keys += (keys.request_ir(part.id), keys.request_meta(part.id), keys.delta_stream(part.id))
-        args += (part.id, encode_request(part), part.protocol.value, part.model, part.endpoint)
+        args += (part.id, record, part.protocol.value, part.model, part.endpoint)
     script = redis.register_script(_ADMIT_AND_SUBMIT)  # EVALSHA, loaded on the first NOSCRIPT
     return int(await script(keys=script_keys, args=args)) >= 0
 

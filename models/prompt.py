@@ -45,6 +45,7 @@ class PromptRenderer:
         self.info = info
         self._specials = _special_pattern(tokenizer)
         self._grammars: Any = None  # models.grammar.Grammars, built on the first constrained request
+        self._formats: dict[str, tuple[Any, dict[str, int] | None]] = {}  # --tool-parser → (tool format, its special markers): `_tool_format`
         self._bulk = False  # see `for_bulk`
         # transformers keeps `split_special_tokens` as state of a fast tokenizer's backend and flips it on a
         # call that asks otherwise; two threads rendering at once (ingest's lanes) then tokenized with each
@@ -55,11 +56,10 @@ class PromptRenderer:
         """Raise `ApiError` naming the parameter when the request's grammar does not compile for this
         tokenizer: each custom tool's input grammar first (its own `param`), then the whole grammar in the
         syntax of the worker's tool parser (`--tool-parser`, chosen from this template as the worker does)."""
-        from models.grammar import Grammars, grammar_for, grammar_param, special_markers
-        from models.tool_formats import select
+        from models.grammar import Grammars, grammar_for, grammar_param
 
-        fmt = select(self.tokenizer.chat_template, tool_parser)
-        grammar = grammar_for(request, fmt, special_markers(self.tokenizer, fmt.markers) if fmt else None)
+        fmt, markers = self._tool_format(tool_parser)
+        grammar = grammar_for(request, fmt, markers)
         inputs = [t.input_format for t in request.tools if t.input_format is not None]
         if grammar is None and not inputs:
             return
@@ -69,6 +69,18 @@ class PromptRenderer:
             self._grammars.check_constraint(constraint)
         if grammar is not None:
             self._grammars.check(grammar, grammar_param(request))
+
+    def _tool_format(self, tool_parser: str) -> tuple[Any, dict[str, int] | None]:
+        """The tool-call family the worker parses for `--tool-parser` and its markers that are special tokens
+        here: the same for every request, found once (the tokenizer builds its added-token table per access)."""
+        from models.grammar import special_markers
+        from models.tool_formats import select
+
+        found = self._formats.get(tool_parser)
+        if found is None:
+            fmt = select(self.tokenizer.chat_template, tool_parser)
+            found = self._formats[tool_parser] = (fmt, special_markers(self.tokenizer, fmt.markers) if fmt else None)
+        return found
 
     @classmethod
     def load(cls, folder: Path, *, name: str, max_model_len: int | None = None) -> PromptRenderer:
