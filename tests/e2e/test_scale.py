@@ -129,8 +129,12 @@ def test_two_hundred_background_responses_at_once_all_complete(sim_server: LiveS
     assert outcomes == [("incomplete", TOKENS)] * 200  # max_output_tokens reached: Responses says "incomplete"
 
 
-def test_the_simulated_worker_reports_its_engine_in_its_heartbeat(sim_server: LiveServer, tmp_path: Path) -> None:
-    """The load above ran on the simulated engine, not a model: its worker says so (`model_impl: sim`)."""
+def test_the_simulated_worker_reports_its_engine_and_its_cpu_per_phase_in_its_heartbeat(sim_server: LiveServer, tmp_path: Path) -> None:
+    """The load above ran on the simulated engine, not a model: its worker says so (`model_impl: sim`), and
+    its heartbeat carries the CPU it spent per loop phase (what bench/pipeline.py reports per 1k tokens)."""
     with redis.Redis.from_url(sim_server.redis_url) as r:
         infos = [r.hgetall(k) for k in r.scan_iter("met:worker:*")]
     assert [i.get(b"model_impl") for i in infos] == [b"sim"]
+    phases = {k.decode(): float(v) for k, v in infos[0].items() if k.startswith(b"cpu_")}
+    assert set(phases) == {"cpu_step_ms", "cpu_claim_ms", "cpu_cancels_ms", "cpu_write_ms", "cpu_periodic_ms"}
+    assert phases["cpu_step_ms"] > 0 and phases["cpu_write_ms"] > 0
