@@ -36,8 +36,10 @@ def check_json_schema(schema: Any, param: str) -> dict[str, Any]:
     return schema
 
 
-def json_schema(schema: Any, param: str) -> Constraint:
-    return Constraint(kind=ConstraintKind.JSON_SCHEMA, text=orjson.dumps(check_json_schema(schema, param)).decode(), param=param)
+def json_schema(schema: Any, param: str, *, strict: bool = False) -> Constraint:
+    """`strict`: the client asked for the schema to be enforced whole (OpenAI's `strict: true`), so one that
+    the constraint engine cannot enforce is refused (models.grammar) instead of relaxed."""
+    return Constraint(kind=ConstraintKind.JSON_SCHEMA, text=orjson.dumps(check_json_schema(schema, param)).decode(), param=param, strict=strict)
 
 
 def json_object(param: str) -> Constraint:
@@ -80,9 +82,8 @@ def chat_response_format(value: Any) -> Constraint | None:
     if kind == "json_schema":
         spec = f.obj(f.require(fmt, "json_schema", "response_format.json_schema"), "response_format.json_schema")
         f.string(f.require(spec, "name", "response_format.json_schema.name"), "response_format.json_schema.name", allow_empty=False)
-        if spec.get("strict") is not None:
-            f.boolean(spec["strict"], "response_format.json_schema.strict")
-        return json_schema(spec.get("schema") or {}, "response_format.json_schema.schema")
+        strict = spec.get("strict") is not None and f.boolean(spec["strict"], "response_format.json_schema.strict")
+        return json_schema(spec.get("schema") or {}, "response_format.json_schema.schema", strict=bool(strict))
     raise invalid(f"Invalid value: '{kind}'. Supported values are: 'text', 'json_object' and 'json_schema'.", "response_format.type", "invalid_value")
 
 
@@ -101,9 +102,8 @@ def responses_text_format(value: Any) -> Constraint | None:
         return json_object("text.format")
     if kind == "json_schema":
         f.string(f.require(fmt, "name", "text.format.name"), "text.format.name", allow_empty=False)
-        if fmt.get("strict") is not None:
-            f.boolean(fmt["strict"], "text.format.strict")
-        return json_schema(f.require(fmt, "schema", "text.format.schema"), "text.format.schema")
+        strict = fmt.get("strict") is not None and f.boolean(fmt["strict"], "text.format.strict")
+        return json_schema(f.require(fmt, "schema", "text.format.schema"), "text.format.schema", strict=bool(strict))
     raise invalid(f"Invalid value: {kind!r}. Supported values are: 'text', 'json_object' and 'json_schema'.", "text.format.type", "invalid_value")
 
 

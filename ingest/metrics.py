@@ -65,6 +65,7 @@ class ClusterFigures:
     masked_rows: int = 0
     grammar_compiles: int = 0
     grammar_cache_hits: int = 0
+    off_schema_calls: int = 0
     inflight: int = 0
     dead_letters: int = 0
     gateways: tuple[tuple[str, str, bool], ...] = ()  # (worker, upstream, healthy) of each live gateway worker
@@ -83,6 +84,7 @@ _WORKER_FIELDS = [
     "masked_rows",
     "grammar_compiles",
     "grammar_cache_hits",
+    "off_schema_calls",
 ]
 
 
@@ -162,6 +164,11 @@ class ClusterCollector(Collector):
         yield CounterMetricFamily("met_grammar_constrained_rows", "Constrained rows masked (one per sequence per step), summed over live workers.", value=f.masked_rows)
         yield CounterMetricFamily("met_grammar_compiles", "Grammars compiled (compiled-grammar cache misses), summed over live workers.", value=f.grammar_compiles)
         yield CounterMetricFamily("met_grammar_cache_hits", "Constrained requests served a compiled grammar from the cache, summed over live workers.", value=f.grammar_cache_hits)
+        yield CounterMetricFamily(
+            "met_tool_calls_off_schema",
+            "Generated tool calls whose arguments do not match their tool's whole schema (keywords the constraint cannot enforce), summed over live workers.",
+            value=f.off_schema_calls,
+        )
         yield _gauge("met_num_requests_inflight", "Accepted requests without a terminal event yet, cluster-wide (what admission limits).", f.inflight)
         yield _gauge("met_dead_letters", "Requests in the dead-letter stream (met:deadletter).", f.dead_letters)
         health = GaugeMetricFamily(

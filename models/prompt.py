@@ -27,7 +27,7 @@ from typing import Any
 from models.reasoning import takes_enable_thinking
 from models.tools import call_text, calls_enabled, template_tool, tools_prompt
 from shared.errors import invalid
-from shared.ir import Message, Request, Role, ToolCall, ToolKind, ToolSpec
+from shared.ir import ConstraintKind, Message, Request, Role, ToolCall, ToolKind, ToolSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +67,30 @@ class PromptRenderer:
             self._grammars = Grammars.for_model(self.tokenizer, self.info.eos_token_ids)
         for constraint in inputs:
             self._grammars.check_constraint(constraint)
+        if request.constraint is not None and request.constraint.strict:
+            self._grammars.check_constraint(request.constraint)  # names a keyword strict mode cannot enforce, and where
         if grammar is not None:
             self._grammars.check(grammar, grammar_param(request))
+
+    def relaxed_schemas(self, request: Request) -> tuple[str, ...]:
+        """What the constraint leaves out of each schema the request's output is held to (models.grammar):
+        its non-strict JSON-schema constraint's, or else each function tool's when calls are on; one note
+        per schema, "<where>: '<keyword>' at <path>, …". Empty when every schema is enforced whole."""
+        from models.grammar import Grammars
+        from models.tools import allowed_tools, calls_enabled
+
+        constraint = request.constraint
+        schemas: list[tuple[str, str]] = []
+        if constraint is not None:
+            if constraint.kind is ConstraintKind.JSON_SCHEMA and not constraint.strict:
+                schemas.append((constraint.param, constraint.text))
+        elif calls_enabled(request):
+            schemas += [(t.name, t.parameters_json) for t in allowed_tools(request) if t.kind is ToolKind.FUNCTION]
+        if not schemas:
+            return ()
+        if self._grammars is None:
+            self._grammars = Grammars.for_model(self.tokenizer, self.info.eos_token_ids)
+        return tuple(f"{where}: {', '.join(left)}" for where, text in schemas if (left := self._grammars.relaxed(text)))
 
     def _tool_format(self, tool_parser: str) -> tuple[Any, dict[str, int] | None]:
         """The tool-call family the worker parses for `--tool-parser` and its markers that are special tokens

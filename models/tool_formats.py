@@ -188,10 +188,13 @@ def _sub_grammar(tool: ToolSpec) -> str:
     return tool.input_format.text
 
 
+RELAXED = {"whitespace_flexible": False, "lenient": True}  # a tool's schema is never refused: what llguidance cannot enforce is left out (models.grammar)
+
+
 def _args_schema(tool: ToolSpec) -> dict[str, Any]:
     """The tool's parameters schema as the root (its refs resolve as written), compact."""
     params = json.loads(tool.parameters_json) or {"type": "object"}
-    return {**params, "x-guidance": {"whitespace_flexible": False}}
+    return {**params, "x-guidance": RELAXED}
 
 
 def _call_schema(tool: ToolSpec, keys: tuple[str, str]) -> dict[str, Any]:
@@ -204,6 +207,6 @@ def _call_schema(tool: ToolSpec, keys: tuple[str, str]) -> dict[str, Any]:
         "properties": {name_key: {"const": tool.name}, args_key: params},
         "required": [name_key, args_key],
         "additionalProperties": False,
-        "x-guidance": {"whitespace_flexible": False},
+        "x-guidance": RELAXED,
         **hoisted,
     }

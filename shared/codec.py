@@ -198,7 +198,9 @@ def _completion_from_dict(doc: dict[str, Any] | None) -> TextCompletion | None:
 def _constraint_from_dict(doc: dict[str, Any] | None) -> Constraint | None:
     if doc is None:
         return None
-    return Constraint(kind=ConstraintKind(doc["kind"]), text=doc.get("text", ""), choices=tuple(doc.get("choices", ())), param=doc.get("param", ""))
+    return Constraint(
+        kind=ConstraintKind(doc["kind"]), text=doc.get("text", ""), choices=tuple(doc.get("choices", ())), param=doc.get("param", ""), strict=bool(doc.get("strict", False))
+    )
 
 
 def _sampling_from_dict(doc: dict[str, Any]) -> SamplingParams:

@@ -119,6 +119,7 @@ class Constraint:
     text: str = ""
     choices: tuple[str, ...] = ()
     param: str = ""
+    strict: bool = False  # a JSON schema the client asked to be enforced whole (OpenAI `strict: true`): never relaxed
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -16,19 +16,36 @@ request finishes at once (STOP), without spending a step on the EOS the mask wou
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
+import jsonschema
+
 from models.grammar import Grammars, grammar_for, special_markers
 from models.prompt import ModelInfo
 from models.reasoning import budget_for, think_format
 from models.tool_formats import for_request, select
 from models.tools import calls_enabled
-from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, Reasoning, StreamDelta, TokenLogprob, Usage, is_terminal
-from shared.ir import Request, resolve
+from shared.deltas import (
+    Content,
+    Error,
+    ErrorKind,
+    Finish,
+    FinishReason,
+    Reasoning,
+    StreamDelta,
+    TokenLogprob,
+    ToolCallArgs,
+    ToolCallStart,
+    Usage,
+    is_terminal,
+)
+from shared.ir import Request, ToolKind, resolve
 from shared.seal import Sealer
 from shared.settings import Settings
 from workers.blocks import BlockPool
@@ -84,6 +101,7 @@ class _TextState:
     reasoning_text: list[str] = field(default_factory=list)
     deferred_grammar: Any = None  # the answer's matcher, attached once the reasoning span closes
     sealed: bool = False  # the span's sealed delta was written
+    calls: dict[int, list[str]] = field(default_factory=dict)  # tool calls parsed so far: index → [name, argument pieces...]
     answer_begun: bool = False  # after a span: the answer's leading blank lines are dropped until text comes
 
 
@@ -95,6 +113,7 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     last_step_s: float = 0.0
+    off_schema_calls: int = 0  # generated tool calls whose arguments do not match their tool's whole schema
 
 
 class Engine:
@@ -243,6 +262,7 @@ class Engine:
             "prefix_cache_hits": sched.pool.hits,
             "running_peak": sched.running_peak,
             "preemptions": sched.preemptions,
+            "off_schema_calls": stats.off_schema_calls,
         }
 
     def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> list[Emission]:
@@ -419,10 +439,27 @@ class Engine:
                 stamped = replace(cast(Any, delta), token_ids=token_ids, attempt=seq.attempt)
             out.append(Emission(seq.key, stamped))
             state.pending_ids, state.pending_logprobs = [], []
+            if state.tools is not None and isinstance(delta, ToolCallStart | ToolCallArgs):
+                _note_call(state.calls, delta)
 
     def _emit_final(self, seq: Sequence, text: str, out: list[Emission]) -> None:
         self._seal(seq, out)  # a span the finish cut short is sealed as far as it got
         self._emit_text(seq, text, out, final=True)
+
+    def _check_calls(self, seq: Sequence) -> None:
+        """Each finished call's arguments against its tool's whole schema (the constraint may have left
+        keywords out: models.grammar); one that does not match is logged and counted (`off_schema_calls`),
+        and delivered as generated (the client checks its tools' inputs itself, as with any model)."""
+        state: _TextState = seq.state
+        specs = {t.name: t for t in seq.request.tools}
+        for name, *pieces in state.calls.values():
+            spec = specs.get(name)
+            if spec is None or spec.kind is not ToolKind.FUNCTION:
+                continue
+            problem = off_schema(spec.parameters_json, "".join(pieces))
+            if problem:
+                self.stats.off_schema_calls += 1
+                log.warning("request %s: the call to %s does not match its schema: %s", seq.key, name, problem)
 
     def _fail(self, seq: Sequence, message: str, *, kind: ErrorKind = ErrorKind.INVALID_REQUEST) -> Emission:
         """End one request with an Error (its constraint failed, or it alone fails the step); the batch goes on."""
@@ -439,11 +476,41 @@ class Engine:
             cached_tokens=seq.cached_tokens or 0,
             reasoning_tokens=state.span.tokens if state.span is not None else 0,
         )
+        if state.calls:
+            self._check_calls(seq)
         delta = Finish(reason=reason, usage=usage, matched_stop=matched_stop, token_ids=tuple(state.pending_ids), attempt=seq.attempt)
         self.runner.release(seq)
         self.scheduler.finish(seq)
         del self._seqs[seq.key]
         return Emission(seq.key, delta, batch_max=seq.batch_max)
+
+
+def _note_call(calls: dict[int, list[str]], delta: ToolCallStart | ToolCallArgs) -> None:
+    if isinstance(delta, ToolCallStart):
+        calls[delta.index] = [delta.name]
+    elif delta.index in calls:
+        calls[delta.index].append(delta.arguments)
+
+
+@functools.lru_cache(maxsize=256)
+def _validator(schema_text: str) -> Any:
+    schema = json.loads(schema_text) or {"type": "object"}
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
+def off_schema(schema_text: str, arguments: str) -> str:
+    """Why `arguments` (JSON text) do not match the schema, or "" when they do (or it cannot be said)."""
+    try:
+        args = json.loads(arguments or "{}")
+    except ValueError:
+        return "its arguments are not JSON"
+    try:
+        error = next(iter(_validator(schema_text).iter_errors(args)), None)
+    except Exception:  # a schema jsonschema cannot apply (an unresolvable $ref...): nothing can be said
+        return ""
+    if error is None:
+        return ""
+    return f"{error.message} at /{'/'.join(str(p) for p in error.absolute_path)}"
 
 
 def _members(plan: StepPlan) -> list[Sequence]:
