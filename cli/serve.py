@@ -88,10 +88,10 @@ class _Server(uvicorn.Server):
 async def run_api(settings: Settings, before_exit: Callable[[], None] | None = None) -> None:
     """Serve the API until Ctrl-C / SIGTERM."""
     from ingest.app import build_app
-    from models.files import local_folder
     from models.prompt import PromptRenderer
+    from models.window import model_folder
 
-    name, folder = await asyncio.to_thread(local_folder, settings.model, settings.model_cache)
+    name, folder = await asyncio.to_thread(model_folder, settings)
     renderer = await asyncio.to_thread(PromptRenderer.load, folder, name=name, max_model_len=settings.max_model_len)
     app = build_app(settings, renderer)
     settle_heap()  # the renderer and the app are loaded: out of the garbage collector's way (cli.event_loop)
@@ -169,10 +169,10 @@ def serve(settings: Settings, *, tui: bool = False) -> None:
     """Run everything until Ctrl-C / SIGTERM. With `tui` (a terminal, no --no-tui) the `met top`
     dashboard is the screen and logs go to <data_dir>/serve.log: see cli/top_serve.py; quitting it is
     Ctrl-C."""
-    from models.files import local_folder
+    from models.window import model_folder
 
     os.makedirs(settings.data_dir, exist_ok=True)
-    local_folder(settings.model, settings.model_cache)  # convert a GGUF once, before workers race for it
+    model_folder(settings)  # convert a GGUF (and derive a long-context folder) once, before workers race for it
     embedded = None
     if not settings.redis_url:
         embedded = EmbeddedRedis(settings.data_dir)

@@ -78,13 +78,33 @@ def local_folder(spec: str, cache_dir: str) -> tuple[str, Path]:
         return source.name, source.folder
     target = cache_folder(source, cache_dir)
     if (target / "config.json").exists():
+        if spec == DEFAULT_SPEC:
+            _ship_sampling_defaults(target)
         return source.name, target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").exists():
             _convert_gguf(source, target)
+    if spec == DEFAULT_SPEC:
+        _ship_sampling_defaults(target)
     return source.name, target
+
+
+# The default model's recommended sampling (the SmolLM2 model card), written into its converted folder's
+# generation_config.json (its GGUF carries none), so that any folder made from that one (a copy, a
+# long-context folder: models.window) keeps them, as a folder downloaded from a hub would.
+DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
+def _ship_sampling_defaults(folder: Path) -> None:
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    if all(k in config for k in DEFAULT_SAMPLING):
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({**config, **{k: config.get(k, v) for k, v in DEFAULT_SAMPLING.items()}}, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def _convert_gguf(source: ModelSource, target: Path) -> None:

@@ -18,11 +18,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from models.files import DEFAULT_SAMPLING
 from shared.settings import DEFAULT_MODEL, Settings
 
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-# The recommended sampling of the default model, from the SmolLM2 model card (its GGUF has no config).
-SHIPPED_DEFAULTS: dict[str, dict[str, float | int]] = {DEFAULT_MODEL: {"temperature": 0.2, "top_p": 0.9}}
+# The recommended sampling of the default model, from the SmolLM2 model card (its GGUF has no config;
+# models.files also writes them into its converted folder, so folders made from it keep them).
+SHIPPED_DEFAULTS: dict[str, dict[str, float | int]] = {DEFAULT_MODEL: dict(DEFAULT_SAMPLING)}
 # Settings field → the sampling field it sets by default (`--default-temperature` ...).
 FLAG_FIELDS = {
     "default_temperature": "temperature",

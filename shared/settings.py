@@ -31,7 +31,9 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = DEFAULT_MODEL
-    served_model_name: str | None = None
+    served_model_name: str | None = None  # comma-separated names the model answers to (the first is its own; ingest.models)
+    model_alias: str = ""  # comma-separated PATTERN=NAME: requests for a matching model name are served by NAME (ingest.models)
+    accept_any_model: bool = False  # serve every model name a request sends (default: an unknown name is a 404)
     device: str = "auto"
     dtype: str = "bfloat16"
     batch_invariant: bool = False  # decode rows keep bf16 projections on a CPU without native bf16 (workers.runner.TorchRunner.wide_mode)
@@ -41,7 +43,9 @@ class Settings:
     workers: int = 1
     data_dir: str = ""  # embedded Redis data and the redis.url file
     model_cache: str = ""  # converted models (GGUF → safetensors); shared by every data dir
-    max_model_len: int = 0  # longest prompt + output a request may have; 0 = the model's own context length
+    max_model_len: int = 0  # longest prompt + output a request may have; 0 = the model's own context length; past it, RoPE is scaled (models.window)
+    rope_scaling: str = "auto"  # auto (YaRN when --max-model-len is past the model's window) | none | a JSON object {"rope_type": ..., "factor": ...}
+    hf_overrides: str = ""  # a JSON object of config.json fields to change (models.window)
     strict_max_tokens: bool = False  # refuse a max_tokens the context cannot hold (default: clamp it to what the context leaves)
     max_output_tokens: int = 0  # the operator's cap on any request's max_tokens, also one that names none (0 = no cap)
     max_running: int = 32  # sequences decoded together in one step

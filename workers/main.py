@@ -23,6 +23,7 @@ from cli.event_loop import settle_heap
 from models.files import local_folder
 from models.generation import sampling_defaults
 from models.prompt import PromptRenderer
+from models.window import describe, model_folder
 from shared import keys
 from shared.seal import load_sealer
 from shared.settings import Settings
@@ -34,10 +35,11 @@ T = TypeVar("T")
 
 
 def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
-    name, folder = local_folder(settings.model, settings.model_cache)
+    name, folder = model_folder(settings)
     renderer = PromptRenderer.load(folder, name=name, max_model_len=settings.max_model_len)
     renderer.info = replace(renderer.info, sampling_defaults=sampling_defaults(settings, renderer.info.sampling_defaults))
     log.info("sampling defaults (a request's own values win): %s", renderer.info.sampling_defaults or "none (fallback)")
+    log.info("%s", describe(folder))
     if settings.model_impl == "sim":
         return _simulated_engine(settings, renderer, name)
     from workers.prompt_logprobs import score_prompt

@@ -27,7 +27,9 @@ def default_model() -> PromptRenderer:
 
 
 def test_the_default_model_samples_at_its_model_cards_temperature_and_top_p(default_model: PromptRenderer) -> None:
-    assert default_model.info.sampling_defaults == {}  # the converted GGUF folder carries none
+    # its GGUF carries none: models.files writes the model card's into the converted folder, so a folder
+    # derived from it (a copy, a long-context folder) keeps them
+    assert default_model.info.sampling_defaults == {"temperature": 0.2, "top_p": 0.9}
     defaults = sampling_defaults(Settings(), default_model.info.sampling_defaults)
     resolved = resolve(SamplingParams(), defaults)
     assert (resolved.temperature, resolved.top_p, resolved.top_k, resolved.max_tokens) == (0.2, 0.9, 0, None)
