@@ -8,6 +8,7 @@ as tests/fixtures/agents/. Must not: talk to any real API, or keep a key in what
 
     .venv/bin/python bench/record_agents.py claude  /tmp/rec-claude   # needs ./dev setup's .tools/agents
     .venv/bin/python bench/record_agents.py codex   /tmp/rec-codex
+    AGENTS_BIN=.tools/agents-older/node_modules/.bin .venv/bin/python bench/record_agents.py claude /tmp/rec-claude-old
     RECORD_CALL='{"name": "close_agent", "namespace": "multi_agent_v1", "arguments": "{}"}' \
       .venv/bin/python bench/record_agents.py codex /tmp/rec-ns     # the first turn's call, overridden
 
@@ -31,7 +32,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
-BIN = ROOT / ".tools" / "agents" / "node_modules" / ".bin"
+BIN = Path(os.environ.get("AGENTS_BIN", ROOT / ".tools" / "agents" / "node_modules" / ".bin")).resolve()  # AGENTS_BIN: another install (./dev's older pins)
 SECRET_HEADERS = {"authorization", "x-api-key", "cookie"}
 SHELL_TOOLS = ("Bash", "shell", "exec_command", "shell_command", "local_shell")
 REPLY = "Hello there, friend."

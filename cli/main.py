@@ -63,7 +63,18 @@ Quantization = Annotated[
 MaxRunning = Annotated[int | None, typer.Option(help="Most sequences a worker decodes together.")]
 KvBudget = Annotated[int | None, typer.Option("--kv-budget-mb", help="KV block pool per worker, MiB (default: a share of free memory).")]
 PrefixCache = Annotated[bool | None, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of identical prompt prefixes (on by default).")]
-MaxModelLen = Annotated[int | None, typer.Option(help="Longest prompt + completion, tokens (default and cap: the model's context).")]
+MaxModelLen = Annotated[
+    int | None,
+    typer.Option(help="Longest prompt + completion, tokens (default: the model's window; past it RoPE is scaled, see --rope-scaling)."),
+]
+RopeScaling = Annotated[
+    str | None,
+    typer.Option(
+        help='auto (YaRN, factor --max-model-len / the model\'s window, when --max-model-len is past it), none (refuse a longer '
+        '--max-model-len), or a JSON object such as \'{"rope_type": "yarn", "factor": 2}\'.'
+    ),
+]
+HfOverrides = Annotated[str | None, typer.Option(help="A JSON object of model config.json fields to change, as vLLM's --hf-overrides.")]
 StrictMaxTokens = Annotated[
     bool | None,
     typer.Option(
@@ -90,7 +101,20 @@ StreamInterval = Annotated[
         "k > 1 merges k tokens into one delta (the first at once), a k-th of the per-token work for the worker, Redis, the API node and the client."
     ),
 ]
-ServedName = Annotated[str | None, typer.Option(help="Model name reported by /v1/models (default: from the model).")]
+ServedName = Annotated[
+    str | None, typer.Option(help="Model names clients may ask for, comma-separated; the first is reported in /v1/models first (default: from the model).")
+]
+ModelAlias = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--model-alias",
+        help="PATTERN=NAME: requests for a model name matching PATTERN (a name, or a glob such as 'claude-*') are served by NAME; repeat for several.",
+    ),
+]
+AcceptAnyModel = Annotated[
+    bool | None,
+    typer.Option("--accept-any-model/--no-accept-any-model", help="Serve a request whatever model name it asks for (default: an unknown name is a 404)."),
+]
 ApiKeys = Annotated[
     list[str] | None,
     typer.Option("--api-key", help="An API key clients must send (Bearer or x-api-key); repeat for several. No key: every route is open."),
@@ -164,8 +188,9 @@ DumpDir = Annotated[
 
 
 def _settings(**overrides: object) -> Settings:
-    if isinstance(overrides.get("api_keys"), list):  # --api-key, repeated: Settings holds them comma-separated
-        overrides["api_keys"] = ",".join(overrides["api_keys"]) or None  # type: ignore[arg-type]
+    for name in ("api_keys", "model_alias"):  # repeated flags: Settings holds them comma-separated
+        if isinstance(overrides.get(name), list):
+            overrides[name] = ",".join(overrides[name]) or None  # type: ignore[arg-type]
     settings = Settings.from_env(os.environ).with_overrides(**overrides).cluster_url()
     if settings.log_format not in logs.FORMATS:
         raise typer.BadParameter(f"{settings.log_format!r}: use {' or '.join(logs.FORMATS)}", param_hint="--log-format")
@@ -180,6 +205,22 @@ def _settings(**overrides: object) -> Settings:
         raise typer.BadParameter(f"{settings.upstream!r}: an http(s) URL, e.g. http://127.0.0.1:8080/v1", param_hint="--upstream")
     logs.configure(settings.log_format)
     return settings
+
+
+def _check_model(settings: Settings) -> None:
+    """Refuse, before anything starts, a context window the flags cannot give (models.window) and model
+    aliases that name no served model (ingest.models); on the default model this also converts its GGUF once."""
+    from ingest.models import ModelNames
+    from models.window import WindowError, model_folder
+
+    try:
+        name, _ = model_folder(settings)
+    except WindowError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--max-model-len / --rope-scaling / --hf-overrides") from None
+    try:
+        ModelNames.parse(name, settings.served_model_name, settings.model_alias, accept_any=settings.accept_any_model)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--model-alias") from None
 
 
 def yield_to_upstream(settings: Settings) -> None:
@@ -225,6 +266,8 @@ def serve(
     kv_budget_mb: KvBudget = None,
     prefix_cache: PrefixCache = None,
     max_model_len: MaxModelLen = None,
+    rope_scaling: RopeScaling = None,
+    hf_overrides: HfOverrides = None,
     strict_max_tokens: StrictMaxTokens = None,
     max_output_tokens: MaxOutputTokens = None,
     max_queue: MaxQueue = None,
@@ -238,6 +281,8 @@ def serve(
     dump_ttl: DumpTtl = None,
     dump_dir: DumpDir = None,
     served_model_name: ServedName = None,
+    model_alias: ModelAlias = None,
+    accept_any_model: AcceptAnyModel = None,
     api_keys: ApiKeys = None,
     api_keys_file: ApiKeysFile = None,
     rate_limit_rpm: RateLimitRpm = None,
@@ -280,6 +325,7 @@ def serve(
     tui = not overrides.pop("no_tui") and sys.stdin.isatty() and sys.stdout.isatty()
     settings = _settings(**overrides)
     _check_tool_parser(settings)
+    _check_model(settings)
     yield_to_upstream(settings)  # before Redis and the workers start: they inherit it
     from cli.serve import serve as run
 
@@ -296,6 +342,8 @@ def api(
     redis_max_connections: RedisMaxConnections = None,
     data_dir: DataDir = None,
     max_model_len: MaxModelLen = None,
+    rope_scaling: RopeScaling = None,
+    hf_overrides: HfOverrides = None,
     strict_max_tokens: StrictMaxTokens = None,
     max_output_tokens: MaxOutputTokens = None,
     max_queue: MaxQueue = None,
@@ -304,6 +352,8 @@ def api(
     dump_ttl: DumpTtl = None,
     dump_dir: DumpDir = None,
     served_model_name: ServedName = None,
+    model_alias: ModelAlias = None,
+    accept_any_model: AcceptAnyModel = None,
     api_keys: ApiKeys = None,
     api_keys_file: ApiKeysFile = None,
     rate_limit_rpm: RateLimitRpm = None,
@@ -331,6 +381,7 @@ def api(
 
     if not settings.redis_url:
         raise typer.BadParameter("`met api` needs --redis-url (or REDIS_URL)", param_hint="--redis-url")
+    _check_model(settings)
     run_loop(run_api(settings))
 
 
@@ -351,6 +402,8 @@ def worker(
     kv_budget_mb: KvBudget = None,
     prefix_cache: PrefixCache = None,
     max_model_len: MaxModelLen = None,
+    rope_scaling: RopeScaling = None,
+    hf_overrides: HfOverrides = None,
     max_tokens_per_step: MaxTokensPerStep = None,
     stream_interval: StreamInterval = None,
     request_timeout: RequestTimeout = None,
@@ -359,6 +412,8 @@ def worker(
     max_deliveries: MaxDeliveries = None,
     dump_ttl: DumpTtl = None,
     served_model_name: ServedName = None,
+    model_alias: ModelAlias = None,
+    accept_any_model: AcceptAnyModel = None,
     generation_config: GenerationConfig = None,
     default_temperature: DefaultTemperature = None,
     default_top_p: DefaultTopP = None,
@@ -388,6 +443,8 @@ def worker(
 
     if not settings.redis_url:
         raise typer.BadParameter("`met worker` needs --redis-url (or REDIS_URL)", param_hint="--redis-url")
+    if not settings.upstream:
+        _check_model(settings)
     run_loop(run_worker(settings))
 
 

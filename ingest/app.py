@@ -18,7 +18,7 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -39,6 +39,7 @@ from ingest.context import ContextPolicy, fit_max_tokens
 from ingest.errors import error_body, failure, status_for
 from ingest.limits import RateLimiter, check_stored_size, parse_json, read_body
 from ingest.metrics import CONTENT_TYPE, Metrics
+from ingest.models import ModelNames
 from ingest.publish import admit_and_submit, cancel
 from ingest.readiness import readiness
 from ingest.resume_routes import Followers, ResponseRoutes, recording, resume_choices, resume_stream
@@ -65,13 +66,27 @@ def json_response(body: Any, status: int = 200, headers: dict[str, str] | None =
     return Response(status, raw, Content(b"application/json", orjson.dumps(body)))
 
 
+RELAXED_HEADER = "X-Metrale-Schema-Relaxed"  # what the output constraint left out of the request's schemas (models.grammar)
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A body, ready to queue: its first request, every part, their records, and `relaxed` (Api.prepare_parts)."""
+
+    request: Request
+    parts: list[Request]
+    encoded: list[bytes]
+    relaxed: tuple[str, ...] = ()
+
+
 class Api:
     """Holds what the routes share: settings, the Redis client, the prompt renderer."""
 
     def __init__(self, settings: Settings, renderer: PromptRenderer) -> None:
         self.settings = settings
         self.renderer = renderer
-        self.model_name = settings.served_model_name or renderer.info.name
+        self.names = ModelNames.parse(renderer.info.name, settings.served_model_name, settings.model_alias, accept_any=settings.accept_any_model)
+        self.model_name = self.names.main
         self.redis: Redis = connect(settings.redis_url or "redis://127.0.0.1:6379", max_connections=settings.redis_max_connections)
         self.node_id = f"{socket.gethostname()}-{os.getpid()}-{new_id()[:6]}"
         self.tails = Tails(self.redis, node=self.node_id, field=DELTA_FIELD)  # every stream this node answers is read through these readers
@@ -82,6 +97,7 @@ class Api:
         self.limiter = RateLimiter(self.redis, settings)
         self.metrics = Metrics(self.redis, heartbeat_ttl=settings.heartbeat_ttl)
         self.followers = Followers()  # background responses being saved
+        self._relaxations_logged: set[str] = set()
         self.tokenizing = Tokenizing(settings, renderer)  # prompt rendering off the event loop
         self.sealer: Sealer | None = None  # the deployment's reasoning seal (shared.seal), loaded on start
         self.context = ContextPolicy(
@@ -103,6 +119,7 @@ class Api:
     def prepare(self, request: Request, body: Any) -> Request:
         """Render the prompt, fit it and `max_tokens` into the context (ingest.context: clamp or refuse), and
         attach token ids and the raw body."""
+        self.names.check(request.model)  # an unknown model name is a 404 (ingest.models)
         if not self.renderer.info.vision and any(isinstance(p, ImagePart) for m in request.messages for p in m.content):
             raise invalid(f"The model {self.model_name} does not accept images.", "messages", "image_not_supported")
         if self.settings.upstream:  # gateway workers: the upstream applies constraints; refuse what it cannot be told
@@ -119,13 +136,27 @@ class Api:
             raw_body=orjson.dumps(redact(body)).decode(),
         )
 
-    def prepare_parts(self, surface: Surface, body: Any, request: Request) -> tuple[Request, list[Request], list[bytes]]:
-        """The first request a body becomes, prepared, every part to queue (each `n` choice its own), and
-        each part's encoded record; refused (413) when the parts would store more than
-        `--max-stored-request-bytes` (ingest.limits.check_stored_size). No I/O: runs on a tokenizing thread."""
+    def prepare_parts(self, surface: Surface, body: Any, request: Request) -> Prepared:
+        """The first request a body becomes, prepared, every part to queue (each `n` choice its own), each
+        part's encoded record, and what the output constraint leaves out of the request's schemas; refused
+        (413) when the parts would store more than `--max-stored-request-bytes`
+        (ingest.limits.check_stored_size). No I/O: runs on a tokenizing thread."""
         requests = [self.prepare(r, body) for r in surface.expand(body, request, self.renderer)]
         parts = [part for r in requests for part in fan_out(r)]
-        return requests[0], parts, check_stored_size(parts, self.settings.max_stored_request_bytes)
+        relaxed = () if self.settings.upstream else self.renderer.relaxed_schemas(requests[0])
+        return Prepared(requests[0], parts, check_stored_size(parts, self.settings.max_stored_request_bytes), relaxed)
+
+    def relaxation_headers(self, request: Request, relaxed: tuple[str, ...]) -> dict[str, str]:
+        """`X-Metrale-Schema-Relaxed` naming what the constraint left out of the request's schemas (and a
+        log line the first time this node sees each), or nothing."""
+        if not relaxed:
+            return {}
+        for note in relaxed:
+            if note not in self._relaxations_logged and len(self._relaxations_logged) < 10_000:
+                self._relaxations_logged.add(note)
+                log.info("request %s: a schema is constrained without what llguidance cannot enforce (%s)", request.id, note)
+        value = "; ".join(relaxed).encode("ascii", "backslashreplace").decode()
+        return {RELAXED_HEADER: value[:4000]}
 
     async def charge(self, http: HttpRequest, parts: list[Request]) -> None:
         """Rate limits (ingest.limits): one request, and for each part its prompt plus the most it may generate."""
@@ -233,18 +264,20 @@ class Api:
     async def metrics_text(self, http: HttpRequest) -> Response:
         return Response(200, [(b"Cache-Control", b"no-cache")], Content(CONTENT_TYPE.encode(), await self.metrics.render()))
 
-    def card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "metrale", "max_model_len": self.renderer.info.max_model_len}
+    def cards(self) -> list[dict[str, Any]]:
+        base = {"object": "model", "created": self.started, "owned_by": "metrale", "max_model_len": self.renderer.info.max_model_len}
+        return self.names.cards(base)
 
     async def models(self, http: HttpRequest) -> Response:
-        return json_response({"object": "list", "data": [self.card()]})
+        return json_response({"object": "list", "data": self.cards()})
 
     async def model(self, http: HttpRequest) -> Response:
-        """One model card (`GET /v1/models/{model}`); 404 in OpenAI's shape for any other name."""
+        """One model card (`GET /v1/models/{model}`): a served name or an alias (listed or matched); 404 in
+        OpenAI's shape for any other name."""
         name = _route_value(http, "tail")
-        if name != self.model_name:
-            raise ApiError(f"The model '{name}' does not exist.", status=404, param="model", kind="not_found", code="model_not_found")
-        return json_response(self.card())
+        target = self.names.check(name)
+        card = next((c for c in self.cards() if c["id"] == name), None)
+        return json_response(card or {**self.cards()[0], "id": name, "parent": target})
 
     async def tokenize(self, http: HttpRequest) -> Response:
         raw = await self.read_raw(http)
@@ -261,6 +294,7 @@ class Api:
         as generations) before any tokenizing; counting generates nothing, so no tokens are charged."""
         raw = await self.read_raw(http)
         request = anthropic_messages.parse_count_tokens(parse_json(raw, self.settings.max_json_depth), request_id=new_id(), created=time.time())
+        self.names.check(request.model)
         await self.limiter.charge(caller_of(http), tokens=0)
         return json_response({"input_tokens": await self.tokenizing.count(len(raw), request)})
 
@@ -278,9 +312,17 @@ class Api:
         caller = caller_of(http)
         parsed = surface.parse(body, request_id=new_id(), created=time.time())
         request, store = await surface.session(self.redis, self.settings, body, parsed, caller)
-        request, parts, encoded = await self.tokenizing.run(len(raw), partial(self.prepare_parts, surface, body, request))
+        prepared = await self.tokenizing.run(len(raw), partial(self.prepare_parts, surface, body, request))
+        request, parts = prepared.request, prepared.parts
         await self.charge(http, parts)
-        await self.publish(parts, encoded, owner=caller)
+        await self.publish(parts, prepared.encoded, owner=caller)
+        response = await self._answer(http, surface, body, request, parts, store)
+        for name, value in self.relaxation_headers(request, prepared.relaxed).items():
+            response.add_header(name.encode(), value.encode())
+        return response
+
+    async def _answer(self, http: HttpRequest, surface: Surface, body: Any, request: Request, parts: list[Request], store: Any) -> Response:
+        """The answer to a queued request: a background stub, a stream (of one or several choices), or one JSON body."""
         background = surface.background(body)
         if background and not request.stream:
             self.followers.follow(self.deltas(request, http), request, store)

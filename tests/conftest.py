@@ -6,7 +6,6 @@ The live server is started once per session as a subprocess, exactly as a user w
 from __future__ import annotations
 
 import gc
-import json
 import os
 import re
 import subprocess
@@ -23,9 +22,12 @@ import redis
 
 from cli.embedded_redis import EmbeddedRedis, free_port
 from models.files import local_folder
-from shared.settings import DEFAULT_MODEL, Settings
+from shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
+# The suite's clients ask for short model names ("m") where the name is not the point; every server a test
+# starts inherits this and serves any name. tests/e2e/test_model_names.py turns it off (the default: a 404).
+os.environ.setdefault("MET_ACCEPT_ANY_MODEL", "1")
 LIVE_MAX_QUEUE = 32  # the session server's admission limit (tests/e2e/test_scheduling.py overflows it)
 
 
@@ -149,28 +151,14 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 LONG_CONTEXT = 32768  # Claude Code's first request alone is ~12.7k tokens of SmolLM2's tokenizer, Codex's ~9k: past its own 8192
-YARN_FACTOR = 2.0  # positions stretched 2x: what the agents' prompts reach (<= 16k) reads like the model's own 8k
-
-
-def long_context_model(target: Path, context: int = LONG_CONTEXT) -> Path:
-    """The default model's converted folder (models/files.py) with a `context`-token window and YaRN RoPE
-    scaling. The window is 32k because Claude Code refuses, client-side ("Prompt is too long"), to send its
-    12.7k-token prompt to a window under ~32k (it keeps room for its output); the YaRN factor is 2, not
-    32k / 8k = 4, because it is the one that answers (measured on the recorded turns, greedy): unscaled
-    positions past 8192 give "\n#" forever, linear x2 "System" forever, YaRN x4 garbage to the cap, while
-    YaRN x2 answers in 13-45 tokens and ends the turn. The text is poor; every token the protocols carry
-    is real. The weights are linked, not copied; the folder's name is the served model name."""
-    _, source = local_folder(DEFAULT_MODEL, Settings.from_env(os.environ).model_cache)
-    target.mkdir(parents=True, exist_ok=True)
-    for item in source.iterdir():
-        if item.name != "config.json":
-            (target / item.name).symlink_to(item)
-    config = json.loads((source / "config.json").read_text())
-    original = int(config["max_position_embeddings"])
-    theta = config.get("rope_parameters", {}).get("rope_theta", config.get("rope_theta", 10000.0))
-    yarn = {"rope_type": "yarn", "factor": YARN_FACTOR, "original_max_position_embeddings": original, "rope_theta": theta}
-    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context, "rope_parameters": yarn}, indent=2))
-    return target
+# The README's long-context recipe (`--max-model-len 32768 --rope-scaling '{"rope_type":"yarn","factor":2}'`): the
+# window is 32k because Claude Code refuses, client-side ("Prompt is too long"), to send its 12.7k-token prompt
+# to a window under ~32k (it keeps room for its output); the YaRN factor is 2, not 32k / 8k = 4, because it is
+# the one that answers (measured on the recorded turns, greedy): unscaled positions past 8192 give "\n#"
+# forever, linear x2 "System" forever, YaRN x4 garbage to the cap, while YaRN x2 answers in 13-45 tokens and
+# ends the turn. The text is poor; every token the protocols carry is real.
+LONG_CONTEXT_FLAGS = ("--max-model-len", str(LONG_CONTEXT), "--rope-scaling", '{"rope_type": "yarn", "factor": 2}')
+AGENT_ALIASES = ("--model-alias", "claude-*=SmolLM2-135M-Instruct", "--model-alias", "gpt-*=SmolLM2-135M-Instruct")
 
 
 AGENT_OUTPUT_CAP = 64  # --max-output-tokens of the agents' server: the CLIs' first turns end in 17 (Claude Code) and 43 (Codex) tokens; a rambling one stops here
@@ -178,12 +166,12 @@ AGENT_OUTPUT_CAP = 64  # --max-output-tokens of the agents' server: the CLIs' fi
 
 @pytest.fixture(scope="session")
 def agents_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """`met serve` on the long-context copy of the default model, every feature at its default, for the
-    recorded agent requests and the real agent CLIs. Greedy by default (`--default-temperature 0`: the
+    """`met serve` on the default model with the README's long-context flags and agent aliases (Claude Code
+    asks for claude-*, Codex for gpt-*), every other feature at its default, for the recorded agent requests
+    and the real agent CLIs. Also `--accept-any-model` (the suite's environment) is off here, as a user runs it. Greedy by default (`--default-temperature 0`: the
     agents send no temperature) so runs repeat; output capped so a turn that rambles takes seconds, not minutes."""
-    folder = long_context_model(tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct-32k")
-    args = ["--model", str(folder), "--max-output-tokens", str(AGENT_OUTPUT_CAP), "--default-temperature", "0", "--kv-budget-mb", "1536"]
-    server = start_server(tmp_path_factory.mktemp("agents"), "--workers", "1", *args)
+    args = [*LONG_CONTEXT_FLAGS, *AGENT_ALIASES, "--max-output-tokens", str(AGENT_OUTPUT_CAP), "--default-temperature", "0", "--kv-budget-mb", "1536"]
+    server = start_server(tmp_path_factory.mktemp("agents"), "--workers", "1", *args, env={"MET_ACCEPT_ANY_MODEL": "0"})
     yield server
     stop_server(server)
 
@@ -200,8 +188,6 @@ def tokenizer() -> Any:
     """The default model's tokenizer (the converted SmolLM2 folder), for tests that build tiny models on it."""
     from transformers import AutoTokenizer
 
-    from models.files import local_folder
-    from shared.settings import Settings
 
     settings = Settings.from_env(os.environ)
     _, folder = local_folder(settings.model, settings.model_cache)

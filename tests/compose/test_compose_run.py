@@ -113,7 +113,7 @@ def chat_stream(url: str, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS) ->
     with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600) as api:
         text, finish = "", None
         for chunk in api.chat.completions.create(
-            model="m", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0, stream=True
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0, stream=True
         ):
             if chunk.choices:
                 text += chunk.choices[0].delta.content or ""
@@ -128,7 +128,7 @@ def test_up_build_streams_all_three_protocols_through_the_proxy(stack: Compose) 
     with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=600) as api:
         assert responses_stream_text(api, PROMPT, MAX_TOKENS, temperature=0) == (reference, "response.incomplete")
     claude = anthropic.Anthropic(base_url=stack.url, api_key="x", max_retries=0, timeout=600)
-    with claude, claude.messages.stream(model="m", max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": PROMPT}], extra_body={"temperature": 0}) as stream:
+    with claude, claude.messages.stream(model="SmolLM2-135M-Instruct", max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": PROMPT}], extra_body={"temperature": 0}) as stream:
         message = stream.get_final_message()
     assert "".join(b.text for b in message.content if b.type == "text") == reference
     assert message.stop_reason == "max_tokens"
@@ -184,7 +184,7 @@ def test_scale_api_to_two_and_the_proxy_uses_both(stack: Compose) -> None:
 
     def both_serve() -> bool:
         with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=120) as api:
-            api.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+            api.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
         return all(" status=" in container_logs(cid) for cid in apis)  # each replica logged a finished request
 
     wait_for("both API replicas to answer through the proxy", both_serve, 300, stack.logs)

@@ -77,7 +77,7 @@ def test_claude_code_completes_a_turn_with_the_models_text(agents_server: LiveSe
         **base_env(fixed_home),
         "ANTHROPIC_BASE_URL": agents_server.base_url,
         "ANTHROPIC_API_KEY": "test",
-        "ANTHROPIC_MODEL": "SmolLM2-135M-Instruct-32k",  # a non-Claude name: Claude Code then reads the window below (README)
+        "ANTHROPIC_MODEL": "SmolLM2-135M-Instruct",  # a non-Claude name: Claude Code then reads the window below (README); its side requests ask for claude-* (an alias)
         "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(LONG_CONTEXT),
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_TELEMETRY": "1",
@@ -103,7 +103,7 @@ def test_codex_exec_completes_a_turn_with_the_models_text(agents_server: LiveSer
     home, work = fixed_home / ".codex", fixed_home / "work"
     home.mkdir()
     (home / "config.toml").write_text(
-        'model = "SmolLM2-135M-Instruct-32k"\nmodel_provider = "metrale"\n\n'
+        'model = "SmolLM2-135M-Instruct"\nmodel_provider = "metrale"\n\n'
         f'[model_providers.metrale]\nname = "Metrale"\nbase_url = "{agents_server.base_url}/v1"\nwire_api = "responses"\nenv_key = "METRALE_API_KEY"\n'
     )
     env = {**base_env(fixed_home), "CODEX_HOME": str(home), "METRALE_API_KEY": "test"}

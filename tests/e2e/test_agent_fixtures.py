@@ -27,8 +27,12 @@ TRANSPORT_HEADERS = {"host", "content-length", "connection", "accept-encoding", 
 
 
 def recorded(path: Path) -> dict[str, Any]:
+    """A recorded request as the agent sends it to this server: `recorded-model` (the model name the
+    recorder's Codex config gave, bench/record_agents.py) becomes the served name a user configures."""
     record: dict[str, Any] = json.loads(path.read_text())
     record["headers"] = {k: v for k, v in record["headers"].items() if k not in TRANSPORT_HEADERS}
+    if record["body"].get("model") == "recorded-model":
+        record["body"]["model"] = "SmolLM2-135M-Instruct"
     return record
 
 
