@@ -29,7 +29,7 @@ import jsonschema
 from models.grammar import Grammars, grammar_for, special_markers
 from models.prompt import ModelInfo
 from models.reasoning import budget_for, think_format
-from models.tool_formats import for_request, select
+from models.tool_formats import ToolFormat, for_request, select
 from models.tools import calls_enabled
 from shared.deltas import (
     Content,
@@ -53,7 +53,7 @@ from workers.detok import IncrementalDetokenizer, StopMatcher
 from workers.reasoning import Channel, ReasoningSpan
 from workers.scheduler import Sampled, Scheduler, Sequence, StepPlan
 from workers.tool_parsers import ToolParser
-from workers.tools import make_parser
+from workers.tools import RepeatGuard, make_parser
 
 log = logging.getLogger(__name__)
 FAILED_STEP = "The worker failed while generating this response."
@@ -170,7 +170,7 @@ class Engine:
         detok = IncrementalDetokenizer(self.tokenizer, self._keep if calls else frozenset())
         state = _TextState(detok, StopMatcher(request.sampling.stop), max_tokens=max_tokens)
         if calls and self.tool_format is not None:
-            state.tools = make_parser(for_request(self.tool_format, request), f"call_{request.id}")
+            state.tools = _tool_parser(self.tool_format, request)
         grammar = grammar_for(request, self.tool_format, self._special)
         if self.think is not None and request.completion is None:  # a raw completion's text is all answer
             thinking_budget = budget_for(request.thinking, self.max_thinking_tokens)
@@ -376,12 +376,13 @@ class Engine:
         if matched is not None:
             self._emit_final(seq, "", out)
             out.append(self._finish(seq, FinishReason.STOP_SEQUENCE, matched_stop=matched))
-        elif seq.grammar is not None and seq.grammar.is_stopped():
+        elif (seq.grammar is not None and seq.grammar.is_stopped()) or getattr(state.tools, "repeated", False):
             self._emit_final(seq, state.stops.flush(), out)
             out.append(self._finish(seq, FinishReason.STOP))
         elif len(seq.output) >= state.max_tokens or seq.length >= self.runner.max_len:
-            self._emit_final(seq, state.stops.flush(), out)
-            out.append(self._finish(seq, FinishReason.LENGTH))
+            self._emit_final(seq, state.stops.flush(), out, cut=True)
+            # a repeat cut mid-way was dropped (workers.tools.RepeatGuard): what was delivered is whole calls
+            out.append(self._finish(seq, FinishReason.STOP if getattr(state.tools, "repeated", False) else FinishReason.LENGTH))
         return out
 
     def _logprob(self, token: int, logprob: float, alternatives: tuple[tuple[int, float], ...]) -> TokenLogprob:
@@ -414,7 +415,7 @@ class Engine:
         state.sealed = True
         self._push(seq, [Reasoning(text="", sealed=self.sealer.seal("".join(state.reasoning_text)))], out)
 
-    def _emit_text(self, seq: Sequence, text: str, out: list[Emission], *, final: bool = False) -> None:
+    def _emit_text(self, seq: Sequence, text: str, out: list[Emission], *, final: bool = False, cut: bool = False) -> None:
         """Text → deltas (through the tool-call parser when calls are on); the pending token ids and
         logprobs ride on the first delta, so every generated token is in exactly one delta."""
         state: _TextState = seq.state
@@ -422,7 +423,7 @@ class Engine:
             text = text.lstrip()  # the blank line after `</think>`
             state.answer_begun = bool(text)
         if state.tools is not None:
-            deltas = state.tools.push(text) + (state.tools.flush() if final else [])
+            deltas = state.tools.push(text) + (state.tools.flush(cut) if final else [])
         else:
             deltas = [Content(text=text)] if text else []
         self._push(seq, deltas, out)
@@ -442,9 +443,9 @@ class Engine:
             if state.tools is not None and isinstance(delta, ToolCallStart | ToolCallArgs):
                 _note_call(state.calls, delta)
 
-    def _emit_final(self, seq: Sequence, text: str, out: list[Emission]) -> None:
+    def _emit_final(self, seq: Sequence, text: str, out: list[Emission], *, cut: bool = False) -> None:
         self._seal(seq, out)  # a span the finish cut short is sealed as far as it got
-        self._emit_text(seq, text, out, final=True)
+        self._emit_text(seq, text, out, final=True, cut=cut)
 
     def _check_calls(self, seq: Sequence) -> None:
         """Each finished call's arguments against its tool's whole schema (the constraint may have left
@@ -483,6 +484,13 @@ class Engine:
         self.scheduler.finish(seq)
         del self._seqs[seq.key]
         return Emission(seq.key, delta, batch_max=seq.batch_max)
+
+
+def _tool_parser(fmt: ToolFormat, request: Request) -> ToolParser:
+    parser = make_parser(for_request(fmt, request), f"call_{request.id}")
+    if request.tool_choice == "required" and request.parallel_tool_calls:
+        return RepeatGuard(parser)  # the grammar lets calls follow calls: a repeated call ends the turn
+    return parser
 
 
 def _note_call(calls: dict[int, list[str]], delta: ToolCallStart | ToolCallArgs) -> None:

@@ -28,11 +28,17 @@ from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart
 
 
 class ToolParser(Protocol):
-    calls: int
+    @property
+    def calls(self) -> int:
+        """How many calls have been closed so far."""
+        ...
 
     def push(self, text: str) -> list[StreamDelta]: ...
 
-    def flush(self) -> list[StreamDelta]: ...
+    def flush(self, cut: bool = False) -> list[StreamDelta]:
+        """At the end of generation. `cut`: max_tokens ended it, so text that may be the start of a call's
+        markup is dropped rather than shown (a call never leaks as content)."""
+        ...
 
 
 def partial_suffix(text: str, tag: str) -> int:
@@ -206,10 +212,12 @@ class Llama3Parser(_CallStream):
         super().__init__(call_id_prefix)
         self._mode = "start"  # start | content | head | args | wrapper | between
 
-    def flush(self) -> list[StreamDelta]:
+    def flush(self, cut: bool = False) -> list[StreamDelta]:
         out: list[StreamDelta] = []
         if self._mode in ("args", "wrapper"):  # an unterminated call: its arguments read so far are out already
             self.calls += 1
+        elif cut and (self._mode == "head" or (self._mode == "start" and PYTHON_TAG.startswith(self._buf.lstrip()))):
+            pass  # a call's head (or the tag before it) that max_tokens cut: dropped, never shown as text
         elif self._mode in ("start", "head", "content"):
             text = self._raw + self._buf
             if text and not (self.calls and text.isspace()):
@@ -267,10 +275,16 @@ class MistralParser(_CallStream):
         super().__init__(call_id_prefix)
         self._mode = "text"  # text | form | head | args | wrapper | between | name | v11args
 
-    def flush(self) -> list[StreamDelta]:
+    def flush(self, cut: bool = False) -> list[StreamDelta]:
         out: list[StreamDelta] = []
         if self._mode in ("args", "v11args", "wrapper"):  # an unterminated call: its arguments read so far are out already
             self.calls += 1
+        elif cut and self._mode in ("form", "head", "name"):
+            pass  # `[TOOL_CALLS]` and a call head that max_tokens cut: dropped, never shown as text
+        elif cut and self._mode == "text":
+            text = self._buf[: len(self._buf) - partial_suffix(self._buf, TOOL_CALLS)]
+            if text and not (self.calls and text.isspace()):
+                out.append(Content(text=text))
         elif self._mode != "between":
             text = self._raw + self._buf
             if text and not (self.calls and text.isspace()):

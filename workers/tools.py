@@ -46,11 +46,17 @@ class HermesParser:
             if not step(out):
                 return out
 
-    def flush(self) -> list[StreamDelta]:
-        """At the end of generation: held-back text, or what is left of an unterminated call's arguments."""
+    def flush(self, cut: bool = False) -> list[StreamDelta]:
+        """At the end of generation: held-back text, or what is left of an unterminated call's arguments.
+        `cut` (max_tokens ended it): a call whose head was not complete, or a tag's first characters, are
+        dropped; an unterminated call keeps what was streamed of it (the finish says `length`)."""
         out: list[StreamDelta] = []
+        if cut and self._mode in ("text", "head"):
+            self._buf = self._buf[: len(self._buf) - partial_suffix(self._buf, OPEN)] if self._mode == "text" else ""
         if self._mode == "text" and self._buf and not (self.calls and self._buf.isspace()):
             out.append(Content(text=self._buf))
+        elif self._mode == "head" and cut:
+            pass
         elif self._mode == "head":
             out.append(Content(text=OPEN + self._buf))
         elif self._mode == "args" and len(self._buf) > self._sent:
@@ -122,6 +128,76 @@ class HermesParser:
             out.append(ToolCallArgs(index=self.calls, arguments=self._buf[self._sent : end]))
             self._sent = end
         return False
+
+
+class RepeatGuard:
+    """Ends a turn whose calls are forced (`tool_choice: required`) with parallel calls allowed when the
+    model repeats a call: that grammar lets calls follow calls until max_tokens, and a small model writes
+    the same call again and again (the last one cut mid-way). A call with the name of an earlier one is
+    held back while its argument text is still a prefix of that call's, released the moment it differs,
+    and dropped when it turns out the same whole; then `repeated` is set and the engine ends the turn
+    (finish `tool_calls`). Wraps any family's parser (it sees only deltas)."""
+
+    def __init__(self, inner: ToolParser) -> None:
+        self._inner = inner
+        self._done: list[tuple[str, str]] = []  # the calls complete so far: (name, argument text)
+        self._current: list[str] | None = None  # [name, argument text so far] of the call in progress
+        self._held: list[StreamDelta] | None = None  # the call in progress's deltas, while it may be a repeat
+        self._index = -1  # the call in progress's index
+        self.repeated = False
+
+    @property
+    def calls(self) -> int:
+        return self._inner.calls
+
+    def push(self, text: str) -> list[StreamDelta]:
+        return self._guard(self._inner.push(text))
+
+    def flush(self, cut: bool = False) -> list[StreamDelta]:
+        out = self._guard(self._inner.flush(cut), cut=cut)
+        if self._held is not None:  # the output ended while it was still a prefix: its own (shorter) call
+            out += self._held
+            self._held = None
+        return out
+
+    def _guard(self, deltas: list[StreamDelta], *, cut: bool = False) -> list[StreamDelta]:
+        out: list[StreamDelta] = []
+        for delta in deltas:
+            if self.repeated:
+                break
+            if isinstance(delta, ToolCallStart):
+                self._settle(out, closed=True)
+                if self.repeated:
+                    break
+                if self._current is not None:
+                    self._done.append((self._current[0], self._current[1]))
+                self._current, self._index = [delta.name, ""], delta.index
+                if any(name == delta.name for name, _ in self._done):
+                    self._held = [delta]
+                else:
+                    out.append(delta)
+                continue
+            if isinstance(delta, ToolCallArgs) and self._current is not None:
+                self._current[1] += delta.arguments
+            if self._held is None:
+                out.append(delta)
+            else:
+                self._held.append(delta)
+                self._settle(out, closed=False)
+        self._settle(out, closed=self._inner.calls > self._index, cut=cut)
+        return out
+
+    def _settle(self, out: list[StreamDelta], *, closed: bool, cut: bool = False) -> None:
+        """The held call: a repeat once it is closed with the same text (or cut by max_tokens while it
+        still was one's prefix: it was on its way to being one); released once it differs."""
+        if self._held is None or self._current is None:
+            return
+        name, args = self._current
+        if (closed and (name, args) in self._done) or (cut and any(n == name and a.startswith(args) for n, a in self._done)):
+            self.repeated, self._held = True, None
+        elif closed or not any(n == name and a.startswith(args) for n, a in self._done):
+            out += self._held
+            self._held = None
 
 
 PARSERS: dict[str, Callable[[str], ToolParser]] = {HERMES.name: HermesParser, LLAMA3.name: Llama3Parser, MISTRAL.name: MistralParser}

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart
-from workers.tools import HermesParser
+from workers.tool_parsers import Llama3Parser, MistralParser
+from workers.tools import HermesParser, RepeatGuard
 
 TWO_CALLS = (
     'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}</tool_call>\n'
@@ -76,3 +77,61 @@ def test_an_unterminated_call_flushes_its_arguments() -> None:
     deltas = parser.push('<tool_call>{"name": "f", "arguments": {"a": 1}') + parser.flush()
     assert summary(deltas) == [("start", (0, "c_0", "f")), ("args0", '{"a": 1}')]
     assert parser.calls == 1
+
+
+# A call cut by max_tokens never leaks its markup as text (flush(cut=True)); the guard for forced calls
+# with parallel calls allowed ends the turn at a repeated call.
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+
+
+@pytest.mark.parametrize("tail", ['<tool_call>{"', "<tool_call>", "<tool_c", '<tool_call>{"name": "get_wea'])
+def test_a_call_head_cut_by_max_tokens_is_dropped_not_shown(tail: str) -> None:
+    parser = HermesParser("c")
+    cut = summary(parser.push(CALL + tail) + parser.flush(cut=True))
+    assert cut == [("start", (0, "c_0", "get_weather")), ("args0", '{"city": "Paris"}')]
+    ended = HermesParser("c")  # the model ending there on its own: the text is what it wrote, as before
+    assert "<tool_c" in str(summary(ended.push("x " + tail) + ended.flush()))
+
+
+def test_llama3_and_mistral_heads_cut_by_max_tokens_are_dropped() -> None:
+    llama = Llama3Parser("c")
+    assert summary(llama.push('{"name": "get_wea') + llama.flush(cut=True)) == []
+    mistral = MistralParser("c")
+    assert summary(mistral.push('Sure.[TOOL_CALLS][{"name": "f') + mistral.flush(cut=True)) == [("text", "Sure.")]
+
+
+def guarded(text: str, size: int, *, cut: bool) -> tuple[list[tuple[str, object]], bool]:
+    guard = RepeatGuard(HermesParser("c"))
+    out: list[StreamDelta] = []
+    for i in range(0, len(text), size):
+        out += guard.push(text[i : i + size])
+        if guard.repeated:
+            break
+    out += guard.flush(cut=cut)
+    return summary(out), guard.repeated
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_a_repeated_call_ends_the_turn_and_is_not_delivered(size: int) -> None:
+    merged, repeated = guarded(CALL * 5, size, cut=False)
+    assert repeated and merged == [("start", (0, "c_0", "get_weather")), ("args0", '{"city": "Paris"}')]
+
+
+@pytest.mark.parametrize("size", [1, 1000])
+def test_a_repeat_cut_mid_way_is_dropped_as_a_repeat(size: int) -> None:
+    merged, repeated = guarded(CALL * 2 + '<tool_call>{"name": "get_weather", "arguments": {"ci', size, cut=True)
+    assert repeated and merged == [("start", (0, "c_0", "get_weather")), ("args0", '{"city": "Paris"}')]
+
+
+@pytest.mark.parametrize("size", [1, 1000])
+def test_calls_that_differ_are_all_delivered(size: int) -> None:
+    other = CALL.replace("Paris", "Pari") + CALL.replace("Paris", "Paris2") + CALL.replace("get_weather", "get_time")
+    merged, repeated = guarded(CALL + other, size, cut=False)
+    assert not repeated
+    assert [m for m in merged if m[0].startswith("args")] == [
+        ("args0", '{"city": "Paris"}'),
+        ("args1", '{"city": "Pari"}'),
+        ("args2", '{"city": "Paris2"}'),
+        ("args3", '{"city": "Paris"}'),
+    ]
