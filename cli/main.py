@@ -53,6 +53,14 @@ BatchInvariant = Annotated[
         "shares its step (slower with many streams; by default a step of 6+ rows multiplies in float32).",
     ),
 ]
+RowInvariant = Annotated[
+    bool | None,
+    typer.Option(
+        "--row-invariant/--no-row-invariant",
+        help="On a CPU whose bf16 GEMM picks its kernel by row count (AMX), cut each call into calls that give every row the bits it "
+        "gets alone, so a prefix-cache hit, a chunk boundary or a batch-mate never changes a token (default on; off: faster prefill, no promise).",
+    ),
+]
 Quantization = Annotated[
     str | None,
     typer.Option(
@@ -261,6 +269,7 @@ def serve(
     model_impl: ModelImpl = None,
     sim_step_ms: SimStepMs = None,
     batch_invariant: BatchInvariant = None,
+    row_invariant: RowInvariant = None,
     quantization: Quantization = None,
     max_running: MaxRunning = None,
     kv_budget_mb: KvBudget = None,
@@ -397,6 +406,7 @@ def worker(
     model_impl: ModelImpl = None,
     sim_step_ms: SimStepMs = None,
     batch_invariant: BatchInvariant = None,
+    row_invariant: RowInvariant = None,
     quantization: Quantization = None,
     max_running: MaxRunning = None,
     kv_budget_mb: KvBudget = None,

@@ -36,6 +36,7 @@ class Settings:
     accept_any_model: bool = False  # serve every model name a request sends (default: an unknown name is a 404)
     device: str = "auto"
     dtype: str = "bfloat16"
+    row_invariant: bool = True  # a bf16 GEMM whose kernel depends on its row count (AMX) is cut into calls that give a row its one-row bits (workers.kernels)
     batch_invariant: bool = False  # decode rows keep bf16 projections on a CPU without native bf16 (workers.runner.TorchRunner.wide_mode)
     model_impl: str = "auto"  # auto (lean where supported, else hf) | lean (ours, Llama family) | hf (transformers' forward) | sim (no model: workers.sim); see workers.runner
     sim_step_ms: float = 20.0  # --model-impl sim: what one step waits (an accelerator's forward, no CPU)

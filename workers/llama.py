@@ -290,6 +290,12 @@ def forward(w: LlamaWeights, batch: StepBatch, k_pools: list[torch.Tensor], v_po
     return linear(last, w.lm_head, wide=batch.wide_head)  # [R, vocab]
 
 
+def weight_shapes(w: LlamaWeights) -> list[tuple[int, int]]:
+    """(in, out) of every dense projection a step multiplies by (`workers.kernels.probe_all`)."""
+    dense = [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down) if isinstance(m, torch.Tensor)]
+    return [(int(m.shape[1]), int(m.shape[0])) for m in (*dense, w.lm_head)]
+
+
 def _project(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, batch: StepBatch) -> torch.Tensor:
     """x [N, in] → [N, out]: the rows `batch.wide` names multiply in float32 (`quant.linear(wide=True)`),
     the others as the weight is stored."""

@@ -42,6 +42,9 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
     log.info("%s", describe(folder))
     if settings.model_impl == "sim":
         return _simulated_engine(settings, renderer, name)
+    import torch
+
+    from workers import kernels, llama
     from workers.prompt_logprobs import score_prompt
     from workers.runner import TorchRunner, load_model, pick_device, pick_dtype
 
@@ -56,6 +59,10 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         model_impl=settings.model_impl,
     ).quantize(settings.quantization)
     runner.batch_invariant = settings.batch_invariant
+    kernels.ENABLED = settings.row_invariant
+    if runner.lean is not None and device.type == "cpu" and dtype == torch.bfloat16 and runner.quantization == "none":
+        found = kernels.probe_all(llama.weight_shapes(runner.lean))
+        log.info("kernels: %s CPU, MKL_CBWR=%s, bf16 rows per GEMM call %s (workers.kernels)", kernels.cpu_kind(), os.environ.get("MKL_CBWR"), found)
     runner.eos_ids = renderer.info.eos_token_ids  # min_tokens bans these until reached
     runner.tokenizer = renderer.tokenizer  # DRY sequence breakers are tokenized with it
     engine = Engine(
@@ -71,6 +78,8 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         "dtype": settings.dtype,
         "model_impl": "lean" if runner.lean is not None else "hf",
         "quantization": runner.quantization,
+        "cpu": kernels.cpu_kind() if device.type == "cpu" else device.type,
+        "bf16_rows_per_call": kernels.describe()["bf16_rows_per_call"],  # where a CPU's GEMM picks kernels by row count (AMX): calls cut to this (--row-invariant)
         "projections": runner.wide_mode,  # which rows multiply in float32 where bf16 is emulated: off | auto | prompt (--batch-invariant)
         "kv_blocks": str(runner.num_blocks),
         "kv_block_size": str(runner.block_size),

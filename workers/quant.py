@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.settings import QUANTIZATIONS
+from workers import kernels
 
 GROUP = 32  # input channels per scale/zero: GGUF's Q4_0/Q4_1 block
 WIDE_ROWS = 12  # a float32 product (`linear(..., wide=True)`) is made with at least this many rows
@@ -124,7 +125,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, *, wide
     WIDE_ROWS: a row gets the same values among 7 rows as among 500."""
     if isinstance(w, torch.Tensor):
         if not wide:
-            return F.linear(x, w, bias)
+            return kernels.linear(x, w, bias)  # F.linear, in calls that give each row its own bits (AMX, AVX-512 BF16)
         lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
         padded = F.pad(rows.float(), (0, 0, 0, WIDE_ROWS - n)) if n < WIDE_ROWS else rows.float()

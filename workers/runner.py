@@ -221,7 +221,8 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch
     """A plan flattened for `llama.forward`: decode tokens first, longest first, then each prefill chunk's
     tokens; and the sequences of its sampled rows, in their order. `wide` (`TorchRunner.wide_mode`) picks
     the rows whose projections multiply in float32: the prompt tokens' ("prompt"), or every row of a step
-    with prompt tokens or WIDE_MIN_ROWS rows ("auto")."""
+    with prompt tokens or WIDE_MIN_ROWS rows ("auto") but generated tokens computed again (resume,
+    preemption), which stay bf16 as they were when their sequence decoded alone."""
     decode = sorted(plan.decode, key=lambda s: s.computed, reverse=True)
     ids: list[int] = [s.output[-1] for s in decode]
     positions: list[int] = [s.computed for s in decode]
@@ -248,8 +249,11 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch
         chunks.append(llama.Chunk(offset=offset, length=c.end - c.start, end=c.end, blocks=blocks.to(device, non_blocking=True), mask=mask.to(device, non_blocking=True)))
     sample_at = list(range(len(decode))) + [offset + c.end - c.start - 1 for offset, c in chunk_spans if c.completes_prompt]
     rows = [] if wide == "off" else [i for offset, c in chunk_spans for i in range(offset, offset + max(0, min(c.end, len(c.seq.prompt)) - c.start))]
+    # the generated tokens a chunk computes again (a resumed attempt, a preempted sequence): they were
+    # decode rows, bf16 when their sequence ran alone, and stay so
+    again = {i for offset, c in chunk_spans for i in range(offset + max(0, len(c.seq.prompt) - c.start), offset + c.end - c.start)}
     if wide == "auto" and (rows or len(ids) >= WIDE_MIN_ROWS):
-        rows = list(range(len(ids)))
+        rows = [i for i in range(len(ids)) if i not in again]
     wide_rows = torch.tensor(rows, dtype=torch.long, device=device) if rows else None
     narrow_rows = None if not rows or len(rows) == len(ids) else torch.tensor(sorted(set(range(len(ids))) - set(rows)), dtype=torch.long, device=device)
     batch = llama.StepBatch(
@@ -264,7 +268,7 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch
         sample=torch.tensor(sample_at, dtype=torch.long, device=device),
         wide=wide_rows,
         narrow=narrow_rows,
-        wide_head=wide == "auto" and wide_rows is not None,  # "prompt": bf16, row-invariant, whichever row samples
+        wide_head=wide == "auto" and wide_rows is not None and not again.intersection(sample_at),  # "prompt": bf16, row-invariant, whichever row samples
     )
     return batch, [*decode, *(c.seq for c in plan.prefill if c.completes_prompt)]
 

@@ -1,0 +1,74 @@
+"""Run by `test_exactness.py` in a child process (oneDNN reads ONEDNN_MAX_CPU_ISA once per process):
+the default model in bf16 on the lean path, as the server runs it, one greedy request computed four
+ways — cold, with its prefix from the cache, with its prompt cut into 7-token chunks, and resumed
+after 20 tokens (the way a worker picks up a crashed attempt) — next to a batch-mate. Prints one JSON
+line: each way's tokens, cached tokens, and the kernels' choices."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+from models.files import local_folder
+from models.prompt import PromptRenderer
+from shared.deltas import Content, Finish
+from shared.ir import Message, Protocol, Request, Role, SamplingParams, TextPart
+from shared.settings import Settings
+from workers import kernels
+from workers.engine import Engine
+from workers.runner import TorchRunner, load_model
+
+MAX_TOKENS = 40
+SYSTEM = "You are a careful storyteller. Keep to the facts the user gives and write plainly. " * 4
+
+
+def main() -> None:
+    settings = Settings.from_env(os.environ)
+    name, folder = local_folder(settings.model, settings.model_cache)
+    renderer = PromptRenderer.load(folder, name=name, max_model_len=1024)
+    model = load_model(folder, device=torch.device("cpu"), dtype=torch.bfloat16)
+
+    def request(rid: str, text: str) -> Request:
+        messages = (Message(role=Role.SYSTEM, content=(TextPart(text=SYSTEM),)), Message(role=Role.USER, content=(TextPart(text=text),)))
+        req = Request(id=rid, protocol=Protocol.OPENAI_CHAT, model="m", messages=messages, sampling=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        return replace(req, prompt_token_ids=tuple(renderer.render(req)))
+
+    def engine(step_budget: int = 512, prefix_cache: bool = True) -> Engine:
+        runner = TorchRunner(model, max_len=1024, kv_budget_mb=64, device=torch.device("cpu"), dtype=torch.bfloat16, model_impl="lean")
+        return Engine(runner, renderer.tokenizer, renderer.info, settings=Settings(max_running=8, max_tokens_per_step=step_budget, prefix_cache=prefix_cache))
+
+    def run(eng: Engine, *reqs: Request, resume: tuple[int, ...] = ()) -> dict[str, tuple[list[int], int]]:
+        out: dict[str, tuple[list[int], int]] = {r.id: ([], 0) for r in reqs}
+        for r in reqs:
+            eng.add(r, resume=resume)
+        while eng.has_work():
+            for e in eng.step():
+                if isinstance(e.delta, (Content, Finish)):
+                    out[e.request_id][0].extend(e.delta.token_ids)
+                if isinstance(e.delta, Finish):
+                    out[e.request_id] = (out[e.request_id][0], e.delta.usage.cached_tokens)
+        return out
+
+    story = "Write a long story about a lighthouse."
+    shared = engine()
+    cold = run(shared, request("cold", story))["cold"]
+    cached = run(shared, request("cached", story))["cached"]
+    chunked = run(engine(step_budget=7, prefix_cache=False), request("chunked", story))["chunked"]
+    resumed_tail = run(engine(), request("resumed", story), resume=tuple(cold[0][:20]))["resumed"]
+    mates = run(engine(), request("mate", story), request("other", "Name three colours and a fruit."), request("third", "Count to twenty."))["mate"]
+    print(json.dumps({
+        "isa": kernels.onednn_isa(),
+        "kernels": kernels.describe(),
+        "cold": cold, "cached": cached, "chunked": chunked,
+        "resumed": [cold[0][:20] + resumed_tail[0], resumed_tail[1]],
+        "batched": mates,
+    }))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Which CPU GEMM kernels run, chosen so that a row's result never depends on the rows beside it.
+
+The contract (README, "Exact on every CPU"): for a given request, model, dtype and flags, a token's
+logits do not depend on whether its prefix came from the cache, where the step budget cut its prompt,
+or what shared its step. The lean forward (`workers.llama`) keeps that by construction for attention;
+the linear layers are library GEMMs, and two of them do not keep it by themselves:
+
+- **MKL's float32 GEMM** (the wide rows on a CPU without native bf16, a float32 model) picks kernels by
+  the row count on Intel CPUs: on an AMX Xeon 1–8 rows gave other sums than the same rows among 700
+  (`tests/workers/test_kernels.py`). MKL's own conditional numerical reproducibility fixes that:
+  `MKL_CBWR=AUTO,STRICT` (read once, at MKL's first call, so it is set when this package is imported;
+  an operator's own value is kept). Its cost: a one-row float32 GEMV 0.13 → 0.25 ms, 16+ rows the same.
+- **oneDNN's AMX bf16 GEMM** (Intel Sapphire Rapids and later): a call of more than 32 rows runs the AMX
+  tile kernel, whose sums differ from the ≤ 32-row kernel's and with the call's row count (a call of a
+  fixed row count gives any row the same bits wherever it sits and whatever the others hold), and on
+  AVX-512 BF16 a one-row call of a 1536-wide input (SmolLM2's down projection) took another kernel than
+  two rows. So `linear` (what `quant.linear` runs for bf16) pads a call up to and cuts it at the sizes
+  `calls_for` found: each row then gets what it gets alone. Measured (2-core AMX Xeon, SmolLM2 shapes, 512 rows): 576→3072 0.74 → 2.66 ms,
+  576→960 0.25 → 1.03 ms; capping oneDNN below AMX instead (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`)
+  cost 7.9 ms. `--no-row-invariant` keeps the single call (faster prefill, no promise).
+
+`calls_for` is probed, not looked up: whether a bf16 GEMM is row-invariant depends on the CPU, on the
+oneDNN inside the pinned torch and on `ONEDNN_MAX_CPU_ISA`, so the worker measures it once (a few
+milliseconds) and logs and reports what it found (`describe`). Hand-written because no library chooses
+GEMM row blocking for reproducibility on CPU (vLLM's batch-invariant mode is CUDA kernels).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+MKL_MODE = "AUTO,STRICT"
+PROBE_MAX = 64  # rows a probe multiplies
+PROBE_SIZES = (1, 2, 3, 4, 5, 7, 8, 16, 31, 32, 33, 48, 64)  # call sizes it compares with each row alone (33: the first past AMX's 32)
+FLOORS = (1, 2, 4, 8)  # the least rows per call tried, smallest first
+LIMITS = (32, 16, 8, 4, 2, 1)  # the most rows per call tried, largest first
+
+
+def pin_environment() -> None:
+    """MKL's reproducible mode, unless the operator chose one. Before MKL's first call (this package's import)."""
+    os.environ.setdefault("MKL_CBWR", MKL_MODE)
+
+
+ENABLED = True  # `--row-invariant` (default); the runner sets it from the settings before the first step
+
+
+Calls = tuple[int, int | None]  # (at least, at most) rows per bf16 GEMM call: fewer are padded with zero rows, more are cut
+ANY: Calls = (1, None)
+_FOUND: dict[tuple[int, int], Calls] = {}
+
+
+def _probe(k: int, n: int) -> Calls:
+    if (k, n) not in _FOUND:
+        _FOUND[k, n] = _measure(k, n)
+    return _FOUND[k, n]
+
+
+def _measure(k: int, n: int) -> Calls:
+    """The call sizes that give every row of a bf16 GEMM of a [k → n] weight one result, whatever rows
+    share its call: rows padded with zeros up to `lo` (on AVX-512 BF16 a one-row call of a 1536-wide
+    input took another kernel than two rows), calls cut at `hi` (AMX: the tile kernel past 32 rows).
+    Per shape: oneDNN blocks the reduction by shape. The numbers are random: the kernel is chosen by
+    shape, never by value. The first (lo, hi) that holds, fewest cuts first, then least padding."""
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(PROBE_MAX, k, generator=gen).to(torch.bfloat16)
+    alone = {lo: torch.cat([F.linear(F.pad(x[i : i + 1], (0, 0, 0, lo - 1)), weight)[:1] for i in range(PROBE_MAX)]) for lo in FLOORS}
+    for hi in (None, *LIMITS):  # fewest cuts first (a cut costs a prefill far more than padding a decode)
+        for lo in (f for f in FLOORS if f <= (hi or PROBE_MAX)):
+            sizes = [m for m in PROBE_SIZES if m <= (hi or PROBE_MAX)]
+            if all(torch.equal(_call(x[:m], weight, None, (lo, hi)), alone[lo][:m]) for m in sizes) and torch.equal(_call(x, weight, None, (lo, hi)), alone[lo]):
+                return lo, hi
+    return 1, 1
+
+
+def _call(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, calls: Calls) -> torch.Tensor:
+    import torch
+    import torch.nn.functional as F
+
+    lo, hi = calls
+    n = x.shape[0]
+    if lo <= n <= (hi or n):
+        return F.linear(x, w, bias)
+    if n < lo:
+        return F.linear(F.pad(x, (0, 0, 0, lo - n)), w, bias)[:n]
+    assert hi is not None
+    return torch.cat([_call(x[i : i + hi], w, bias, calls) for i in range(0, n, hi)])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, x [..., k] by a bf16 CPU weight [n, k], in calls that give each row its own bits
+    (`calls_for`): one plain call where nothing needs doing."""
+    import torch
+    import torch.nn.functional as F
+
+    calls = calls_for(int(w.shape[1]), int(w.shape[0])) if w.dtype == torch.bfloat16 and x.device.type == "cpu" else ANY
+    rows = x.numel() // max(1, x.shape[-1])
+    if calls == ANY or calls[0] <= rows <= (calls[1] or rows):
+        return F.linear(x, w, bias)
+    return _call(x.reshape(-1, x.shape[-1]), w, bias, calls).view(*x.shape[:-1], w.shape[0])
+
+
+def calls_for(k: int, n: int) -> Calls:
+    """The rows per bf16 GEMM call of a [k → n] weight on the CPU (`linear`): ANY for no constraint.
+    Only where bf16 is native: elsewhere bf16 rows go the float32 way (`TorchRunner.wide_mode`)."""
+    import torch
+
+    if not ENABLED or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return ANY
+    return _probe(k, n)
+
+
+def probe_all(shapes: list[tuple[int, int]]) -> dict[str, str]:
+    """Probe a model's weight shapes up front (the runner, at load: the first step then pays nothing) and
+    say what was found, "KxN": rows per call."""
+    return {f"{k}x{n}": _say(calls_for(k, n)) for k, n in dict.fromkeys(shapes)}
+
+
+def _say(calls: Calls) -> str:
+    lo, hi = calls
+    return "any" if calls == ANY else f"{lo}..{hi or 'any'}"
+
+
+def onednn_isa() -> str:
+    """What oneDNN's own verbose mode names as the ISA it dispatches to here (a child process: the mode
+    is read once per process). Tests print it; workers report `describe()` instead (no child at start)."""
+    import subprocess
+    import sys
+
+    code = "import torch; torch.nn.functional.linear(torch.ones(64, 64, dtype=torch.bfloat16), torch.ones(64, 64, dtype=torch.bfloat16))"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ONEDNN_VERBOSE": "1"}, capture_output=True, text=True, timeout=120, check=False).stdout
+    return next((line.split("isa:", 1)[1].strip() for line in out.splitlines() if "isa:" in line), "none (a bf16 GEMM does not go through oneDNN at this level)")
+
+
+def cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
+
+
+def cpu_kind() -> str:
+    """AMX, AVX-512 BF16 or AVX2: the CPU kinds the README's contract names (capped by ONEDNN_MAX_CPU_ISA)."""
+    flags, cap = cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    kind = "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "avx2"
+    if cap and "AMX" not in cap and kind == "amx":
+        kind = "avx512_bf16" if "BF16" in cap else "avx2"
+    if cap and "BF16" not in cap and "AMX" not in cap:
+        kind = "avx2"
+    return kind
+
+
+def describe() -> dict[str, Any]:
+    """What the worker reports (`met top`, /v1/metrale/workers): the kernels' choices and why."""
+    return {
+        "cpu": cpu_kind(),
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+        "mkl_cbwr": os.environ.get("MKL_CBWR", ""),
+        "bf16_rows_per_call": ", ".join(f"{k}x{n}: {_say(v)}" for (k, n), v in _FOUND.items()) or "not probed",
+        "row_invariant": ENABLED,
+    }
