@@ -273,9 +273,10 @@ class Api:
 
     async def model(self, http: HttpRequest) -> Response:
         """One model card (`GET /v1/models/{model}`): a served name or an alias (listed or matched); 404 in
-        OpenAI's shape for any other name."""
+        OpenAI's shape for any other name, also with `--accept-any-model` (which serves requests for any
+        name but makes no more models exist: a client that looks a name up first learns what is here)."""
         name = _route_value(http, "tail")
-        target = self.names.check(name)
+        target = self.names.check(name, listed=True)
         card = next((c for c in self.cards() if c["id"] == name), None)
         return json_response(card or {**self.cards()[0], "id": name, "parent": target})
 
@@ -406,6 +407,7 @@ def guarded(api: Api, protocol: Protocol | None, handler: Handler, *, public: bo
             if err.status == 408:  # the body never fully arrived: the connection cannot carry another request
                 headers["Connection"] = "close"
             response = json_response(error_body(shape, err), status_for(shape, err), headers)
+            log.info("%s %s answered %d (%s): %.200s", http.method, http.url.path.decode(errors="replace"), response.status, err.code or err.kind, err)
         except Exception:
             log.exception("unhandled error on %s", http.url.path)
             internal = ApiError("The server had an error while processing your request.", status=500, kind="internal")
@@ -458,6 +460,9 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     app = Application()
     app.router.add_get("/health", guarded(api, Protocol.OPENAI_CHAT, api.health, public=True))
     app.router.add_get("/ready", guarded(api, Protocol.OPENAI_CHAT, api.ready, public=True))
+    for add in (app.router.add_get, app.router.add_head):  # Claude Code's reachability probes (HEAD /api/hello, and HEAD / in 2.1.197)
+        add("/api/hello", guarded(api, Protocol.ANTHROPIC_MESSAGES, api.health, public=True))
+        add("/", guarded(api, Protocol.ANTHROPIC_MESSAGES, api.health, public=True))
     app.router.add_get("/metrics", guarded(api, Protocol.OPENAI_CHAT, api.metrics_text))
     app.router.add_get("/v1/models", guarded(api, Protocol.OPENAI_CHAT, api.models))
     app.router.add_get("/v1/models/*", guarded(api, Protocol.OPENAI_CHAT, api.model))

@@ -43,18 +43,19 @@ class ModelNames:
     def main(self) -> str:
         return self.served[0]
 
-    def resolve(self, name: str) -> str | None:
-        """The served name `name` is answered by, or None when it is unknown."""
+    def resolve(self, name: str, *, listed: bool = False) -> str | None:
+        """The served name `name` is answered by, or None when it is unknown. `listed`: only a served
+        name or an alias counts (`--accept-any-model` serves any name but lists no more models)."""
         if name in self.served:
             return name
         target = next((t for pattern, t in self.aliases if fnmatchcase(name, pattern)), None)
         if target is not None:
             return target
-        return self.main if self.accept_any else None
+        return self.main if self.accept_any and not listed else None
 
-    def check(self, name: str, param: str = "model") -> str:
+    def check(self, name: str, param: str = "model", *, listed: bool = False) -> str:
         """`resolve`, or a 404 naming the parameter."""
-        target = self.resolve(name)
+        target = self.resolve(name, listed=listed)
         if target is None:
             hint = f" This server serves {', '.join(repr(n) for n in self.served)}"
             hint += f" and the aliases {', '.join(p for p, _ in self.aliases)}." if self.aliases else "."

@@ -3,7 +3,10 @@ finishes, every request it makes sets its output limit, and none produces more t
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shlex
 import subprocess
 import sys
 from typing import Any
@@ -14,7 +17,8 @@ from shared import keys
 from shared.codec import decode_delta, decode_request
 from shared.deltas import Finish
 
-from ..conftest import ROOT, LiveServer
+from ..conftest import AGENT_ALIASES, AGENT_OUTPUT_CAP, LONG_CONTEXT, ROOT, LiveServer
+from .test_agent_clis import INSTALLS, agent, outcome
 
 pytestmark = pytest.mark.e2e
 
@@ -57,3 +61,48 @@ def test_a_readme_example_runs_as_written_within_its_max_tokens(live_server: Liv
 def _deltas(server: LiveServer, request_id: str) -> list[Any]:
     entries: Any = server.redis().xrange(keys.delta_stream(request_id))
     return [decode_delta(fields[b"d"]) for _id, fields in entries if b"d" in fields]
+
+
+def agent_blocks() -> tuple[str, str, str, str]:
+    """The README's agent recipe: the serve command, the Claude Code block, the Codex config and command."""
+    blocks = FENCE.findall((ROOT / "README.md").read_text())
+    serve = [code for lang, code in blocks if lang == "bash" and code.startswith("./dev serve --max-model-len")]
+    claude = [code for lang, code in blocks if lang == "bash" and "claude " in code and "ANTHROPIC_BASE_URL" in code]
+    toml = [code for lang, code in blocks if lang == "toml" and "model_provider" in code]
+    codex = [code for lang, code in blocks if lang == "bash" and code.startswith("METRALE_API_KEY=unused codex exec")]
+    assert len(serve) == len(claude) == len(toml) == len(codex) == 1, (serve, claude, toml, codex)
+    return serve[0], claude[0], toml[0], codex[0]
+
+
+def test_the_readme_agent_recipe_serves_with_the_flags_the_agent_tests_use() -> None:
+    """The recipe's server is the `agents_server` fixture's (which the recipe's clients run against below),
+    but for the suite's own --workers 1 and a KV budget that keeps the suite's memory in bounds."""
+    serve, _, _, _ = agent_blocks()
+    words = shlex.split(serve.replace("\\\n", " "))
+    assert words[:2] == ["./dev", "serve"]
+    flags = dict(zip(words[2::2], words[3::2], strict=True))
+    assert len(words[2:]) == 12, words
+    assert flags["--max-model-len"] == str(LONG_CONTEXT) and json.loads(flags["--rope-scaling"]) == {"rope_type": "yarn", "factor": 2}
+    assert [words[i + 1] for i, w in enumerate(words) if w == "--model-alias"] == [AGENT_ALIASES[1], AGENT_ALIASES[3]]
+    assert flags["--max-output-tokens"] == str(AGENT_OUTPUT_CAP) and flags["--default-temperature"] == "0"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("install", ["newest", "node20"])
+def test_the_readme_agent_recipe_exits_0_with_each_install(agents_server: LiveServer, install: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The README's Claude Code line for this install and its Codex command, run verbatim by bash (only the
+    address changed) with that install's CLIs first on PATH: each exits 0 with the model's text, or the
+    CLI gives up after the model wrote to the output cap (`test_agent_clis.outcome`: the model's answer,
+    which the README says the recipe cannot promise)."""
+    _, claude_block, toml, codex_line = agent_blocks()
+    agent("claude", install), agent("codex", install)  # the pinned versions, or a loud failure
+    home = tmp_path_factory.mktemp(f"readme-agents-{install}")
+    (home / ".codex").mkdir()
+    (home / ".codex" / "config.toml").write_text(toml.replace(README_ADDRESS, agents_server.base_url))
+    lines = [line for line in claude_block.splitlines() if not line.startswith("claude ") or f"# {install}: " in line]
+    assert sum(line.startswith("claude ") for line in lines) == 1, lines
+    env = {"PATH": f"{INSTALLS[install][0] / 'node_modules' / '.bin'}:{os.environ['PATH']}", "HOME": str(home), "LANG": "C.UTF-8", "NO_COLOR": "1", "CODEX_HOME": str(home / ".codex")}
+    for script in ("\n".join(lines), codex_line):
+        done = subprocess.run(["bash", "-e", "-c", script.replace(README_ADDRESS, agents_server.base_url)], cwd=home, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        ended = outcome("claude" if "claude " in script else "codex", done, [done.stdout])
+        print(f"{install}: {script.splitlines()[-1]!r} → {ended}: {done.stdout.strip()[:120]!r}")

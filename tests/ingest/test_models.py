@@ -27,6 +27,9 @@ def test_accept_any_model_serves_every_name_with_the_main_one() -> None:
     names = ModelNames.parse("SmolLM2", None, "", accept_any=True)
     assert names.served == ("SmolLM2",)
     assert names.resolve("anything-at-all") == "SmolLM2"
+    assert names.resolve("anything-at-all", listed=True) is None  # GET /v1/models/{name} still 404s: no more models exist
+    with pytest.raises(ApiError):
+        names.check("anything-at-all", listed=True)
     assert ModelNames.parse("SmolLM2", None, "", accept_any=False).resolve("anything-at-all") is None
 
 
