@@ -5,6 +5,7 @@ object, the result sent back, a text answer. Bad tool input is a 400 naming the 
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,11 +13,12 @@ import anthropic
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from shared import keys
 
-from ..conftest import LiveServer
+from ..conftest import ROOT, LiveServer
 
 pytestmark = pytest.mark.e2e
 
@@ -114,6 +116,70 @@ def test_required_with_parallel_calls_off_gives_exactly_one_call(gpt: openai.Ope
     calls = reply.choices[0].message.tool_calls or []
     assert len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time")  # type: ignore[union-attr]
     assert reply.choices[0].finish_reason == "tool_calls"
+
+
+class GetWeather(pydantic.BaseModel):
+    """Current weather in a city."""
+
+    city: str
+
+
+MARKUP = ("<tool_call>", "</tool_call>", '{"name"')
+
+
+def test_a_forced_call_with_parallel_calls_allowed_ends_without_markup_on_all_three_protocols(gpt: openai.OpenAI, claude: anthropic.Anthropic) -> None:
+    """`required` (Anthropic: `any`) with parallel calls allowed and room for many: the grammar lets calls
+    follow calls, and the default model writes the same call again and again; the turn ends at the first
+    repeat (`workers.tools.RepeatGuard`) with whole calls, finish `tool_calls`, and no call markup as text.
+    The SDKs' stream helpers accept it: the Python SDK's `chat.completions.stream` raises
+    LengthFinishReasonError on a `length` finish, and parses each call's arguments into the pydantic tool."""
+    question = "What is the weather in Paris?"
+    with gpt.chat.completions.stream(
+        model="m", messages=[{"role": "user", "content": question}], tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required", max_tokens=300, temperature=0.0, stream_options={"include_usage": True}
+    ) as stream:
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert not any(m in (choice.message.content or "") for m in MARKUP), choice.message.content
+    calls = choice.message.tool_calls or []
+    assert calls and all(isinstance(c.function.parsed_arguments, GetWeather) for c in calls)  # type: ignore[union-attr]
+    assert len({(c.function.name, c.function.arguments) for c in calls}) == len(calls)  # type: ignore[union-attr]  # no repeat delivered
+    assert final.usage is not None and final.usage.completion_tokens < 300
+
+    tools: Any = [{"name": "get_weather", "description": "Current weather in a city.", "input_schema": SCHEMA}]
+    with claude.messages.stream(model="m", max_tokens=300, messages=[{"role": "user", "content": question}], tools=tools, tool_choice={"type": "any"}, extra_body={"temperature": 0.0}) as astream:
+        message = astream.get_final_message()
+    assert message.stop_reason == "tool_use", message
+    assert not any(m in b.text for b in message.content if b.type == "text" for m in MARKUP), message.content
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert uses and len({json.dumps(u.input, sort_keys=True) for u in uses}) == len(uses)
+
+    rtools: Any = [{"type": "function", "name": "get_weather", "description": "Current weather in a city.", "parameters": SCHEMA}]
+    with gpt.responses.stream(model="m", input=question, tools=rtools, tool_choice="required", max_output_tokens=300, temperature=0.0, store=False) as rstream:
+        response = rstream.get_final_response()
+    assert response.status == "completed", response
+    assert not any(m in response.output_text for m in MARKUP), response.output_text
+    fcalls = [i for i in response.output if i.type == "function_call"]
+    assert fcalls and len({i.arguments for i in fcalls}) == len(fcalls)
+
+
+def test_the_openai_node_stream_helper_accepts_a_forced_call_with_parallel_calls_allowed(live_server: LiveServer) -> None:
+    """The same forced call through openai-node's `chat.completions.stream(...).finalChatCompletion()`,
+    which throws LengthFinishReasonError when the turn ends at `length` (what it did before a repeated
+    call ended the turn) and parses strict tools' arguments."""
+    sdk = ROOT / ".tools" / "agents" / "node_modules" / "openai"
+    if not sdk.exists():
+        pytest.fail(f"{sdk} is missing: run ./dev test (it installs the openai-node SDK with the agent CLIs)")
+    script = ROOT / "tests" / "e2e" / "node" / "forced_call_stream.mjs"
+    done = subprocess.run(["node", str(script), f"{live_server.base_url}/v1", (sdk / "index.mjs").as_uri()], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = json.loads(done.stdout.strip().splitlines()[-1])
+    choice = final["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert not any(m in (choice["message"].get("content") or "") for m in MARKUP)
+    calls = choice["message"]["tool_calls"]
+    assert calls and all(c["function"]["parsed_arguments"]["city"] for c in calls)
+    assert len({c["function"]["arguments"] for c in calls}) == len(calls)
 
 
 FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
