@@ -120,9 +120,21 @@ async def _replay_one(redis: Redis | None, record: DumpRecord, target: ReplayTar
 # ---- reporting -------------------------------------------------------------------------------------
 
 
-def _unseeded(record: DumpRecord) -> bool:
+def divergence_cause(record: DumpRecord) -> str:
+    """Why a diverged request may have diverged, by what it asked for: a greedy or seeded request must give
+    the same tokens (README, "Exact on every CPU"), so there the cause is the machine or the flags; an
+    unseeded sampled one is expected to differ; one that set no temperature got the server's default."""
     sampling = record.request.sampling
-    return sampling.seed is None and not sampling.greedy
+    if sampling.greedy or sampling.seed is not None:
+        how = "greedy" if sampling.greedy else f"seeded ({sampling.seed})"
+        return (
+            f"this request is {how}, so the same tokens are expected: a divergence comes from the kernels, not from sampling — "
+            "another CPU kind or ONEDNN_MAX_CPU_ISA, --no-row-invariant, batch-mates on an AVX2 CPU without --batch-invariant, "
+            "CUDA, or another model, dtype or --quantization (the worker's kernels: `met top`, the log's `kernels:` line)"
+        )
+    if sampling.temperature is None:
+        return "this request set no temperature and no seed: the server's default decided (sampled unless --default-temperature 0), so a different output may be expected"
+    return "this request was sampled without a seed, so a different output is expected"
 
 
 def _print_outcome(outcome: Outcome) -> None:
@@ -138,8 +150,7 @@ def _print_outcome(outcome: Outcome) -> None:
     typer.echo(f"{head}  DIVERGED  {result.recorded_tokens} tokens recorded, {result.new_tokens} now{replayed}")
     for line in result.diff.splitlines():
         typer.echo(f"    {line}")
-    if _unseeded(record):
-        typer.echo("    note: this request was sampled without a seed, so a different output is expected")
+    typer.echo(f"    note: {divergence_cause(record)}")
 
 
 def summary(outcomes: Sequence[Outcome]) -> tuple[str, bool]:

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
+from cli.replay import divergence_cause
 from shared.dumps import generated_token_ids, read_records
 
 from ..conftest import LiveServer
@@ -54,6 +57,22 @@ def test_an_edited_record_is_reported_with_its_first_divergent_token(recorded: R
     recorded_line, now_line = (line.strip() for line in result.output.splitlines() if line.strip().startswith(("recorded:", "now:")))
     assert "EDITED" in recorded_line and "EDITED" not in now_line
     assert result.output.splitlines()[-1] == "2 request(s): 1 matched, 1 diverged"
+    assert "note: " + divergence_cause(record) in result.output
+
+
+@pytest.mark.parametrize(
+    ("sampling", "cause"),
+    [
+        ({"temperature": 0.0}, "greedy, so the same tokens are expected: a divergence comes from the kernels"),
+        ({"temperature": 0.8, "seed": 7}, "seeded (7), so the same tokens are expected"),
+        ({"temperature": 0.8}, "sampled without a seed, so a different output is expected"),
+        ({}, "set no temperature and no seed: the server's default decided"),
+    ],
+)
+def test_a_divergence_is_put_down_to_the_kernels_or_to_sampling_by_what_the_request_asked(recorded: Recorded, sampling: dict[str, Any], cause: str) -> None:
+    record = read_records([recorded.jsonl.read_bytes().splitlines()[0]])[0]
+    request = replace(record.request, sampling=replace(record.request.sampling, temperature=None, top_k=None, seed=None, **sampling))
+    assert cause in divergence_cause(replace(record, request=request))
 
 
 def strip_pings(raw: bytes) -> bytes:
