@@ -8,6 +8,7 @@ APIs; a file of Anthropic requests (`{custom_id, params}`) through Message Batch
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -60,7 +61,7 @@ def submit(
     file: Annotated[Path, typer.Argument(help="A JSONL file of batch lines.", exists=True, dir_okay=False)],
     endpoint: Annotated[str | None, typer.Option(help="OpenAI endpoint of the lines (default: the first line's url).")] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Follow the batch with a progress bar until it ends.")] = False,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="With --wait: write the results here.")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="With --wait: write the results here (- for stdout).")] = None,
     url: Url = "http://127.0.0.1:8000",
     api_key: Key = None,
 ) -> None:
@@ -109,8 +110,13 @@ def _write_results(http: httpx.Client, batch_id: str, output: Path) -> int:
     else:
         batch = _check(http.get(_path(batch_id)))
         data = b"".join(http.get(f"/v1/files/{batch[key]}/content").content for key in ("output_file_id", "error_file_id") if batch.get(key))
-    output.write_bytes(data)
     lines = sum(1 for line in data.splitlines() if line.strip())
+    if str(output) == "-":  # `-o -`: the lines on stdout, the count on stderr
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+        Console(stderr=True).print(f"{lines} result lines → stdout")
+        return lines
+    output.write_bytes(data)
     console.print(f"{lines} result lines → {output}")
     return lines
 
@@ -145,7 +151,7 @@ def cancel(batch_id: str, url: Url = "http://127.0.0.1:8000", api_key: Key = Non
 @app.command()
 def results(
     batch_id: str,
-    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the result lines (JSONL).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the result lines (JSONL); - for stdout.")],
     url: Url = "http://127.0.0.1:8000",
     api_key: Key = None,
 ) -> None:

@@ -502,7 +502,7 @@ def replay(
 
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    app()
+    app(prog_name="met")  # `met --help` says `met` also when run as `python -m cli.main`
 
 
 if __name__ == "__main__":

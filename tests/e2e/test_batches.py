@@ -261,6 +261,9 @@ def test_met_batch_submits_follows_and_fetches_both_kinds_of_batch_file(server: 
         again = tmp_path / "again.jsonl"
         assert met_batch(server, "results", batch_id, "-o", str(again)).returncode == 0
         assert sorted(again.read_text().splitlines()) == sorted(out.read_text().splitlines())
+        piped = met_batch(server, "results", batch_id, "-o", "-")  # stdout: the lines; stderr: the count
+        assert piped.returncode == 0 and sorted(piped.stdout.splitlines()) == sorted(out.read_text().splitlines()) and f"{count} result lines" in piped.stderr
+        assert not (ROOT / "-").exists()
         assert batch_id in met_batch(server, "list").stdout
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(line("x", {"model": "m"})))
