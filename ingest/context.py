@@ -3,7 +3,8 @@
 Owns: the one decision every protocol shares once the prompt is rendered, with each protocol's wording.
 - A prompt that does not fit at all (prompt >= context) is refused. Anthropic's words are its API's own,
   `prompt is too long: {n} tokens > {m} maximum`, which Claude Code recognises (it offers /compact and
-  reads both numbers); `m` is the longest prompt that still leaves room for one output token.
+  reads both numbers); `m` is the context, the number OpenAI's message names too (but for a prompt of
+  exactly the context, which leaves no room for an output token: then the context less one).
 - A prompt that fits with a `max_tokens` the rest of the context cannot hold: by default `max_tokens` is
   clamped to what the context leaves (the finish is then `length` / `max_tokens`), as llama.cpp and
   Ollama do; agents ask for 32k-128k tokens whatever the model. The worker clamps to the same figure
@@ -50,7 +51,10 @@ def fit_max_tokens(protocol: Protocol, prompt_tokens: int, max_tokens: int | Non
     prompt_field, limit_field = FIELDS.get(protocol, ("messages", "max_tokens"))
     if prompt_tokens >= limit:
         if protocol is Protocol.ANTHROPIC_MESSAGES:
-            raise invalid(f"prompt is too long: {prompt_tokens} tokens > {limit - 1} maximum", None, "context_length_exceeded")
+            # the context, as OpenAI's message says it; a prompt of exactly the context leaves no output token
+            # and still reads "n > m" (Claude Code parses both numbers)
+            maximum = limit if prompt_tokens > limit else limit - 1
+            raise invalid(f"prompt is too long: {prompt_tokens} tokens > {maximum} maximum", None, "context_length_exceeded")
         raise invalid(
             f"This model's maximum context length is {limit} tokens. However, your {prompt_field} resulted in {prompt_tokens} tokens.",
             prompt_field,

@@ -62,7 +62,9 @@ def test_strict_refuses_on_openai_surfaces_naming_the_output_limit(protocol: Pro
 def test_a_prompt_that_does_not_fit_is_refused_in_each_protocols_words() -> None:
     anthropic = refusal(Protocol.ANTHROPIC_MESSAGES, 9000, 10, CONTEXT)
     message = error_body(Protocol.ANTHROPIC_MESSAGES, anthropic)["error"]["message"]
-    assert message == "prompt is too long: 9000 tokens > 8191 maximum" and CLAUDE_TOO_LONG.match(message)
+    assert message == "prompt is too long: 9000 tokens > 8192 maximum" and CLAUDE_TOO_LONG.match(message)  # the context, as OpenAI's says
+    exact = error_body(Protocol.ANTHROPIC_MESSAGES, refusal(Protocol.ANTHROPIC_MESSAGES, 8192, 10, CONTEXT))["error"]["message"]
+    assert exact == "prompt is too long: 8192 tokens > 8191 maximum"  # no room for one output token: still "n > m"
     for protocol, param in ((Protocol.OPENAI_CHAT, "messages"), (Protocol.OPENAI_RESPONSES, "input")):
         err = refusal(protocol, 8192, None, CONTEXT)
         assert err.param == param and "maximum context length is 8192 tokens" in err.message
