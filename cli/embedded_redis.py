@@ -11,6 +11,7 @@ workers attach by URL. Data lives under `<data_dir>/redis` with AOF on and `noev
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import signal
 import socket
@@ -107,4 +108,7 @@ class EmbeddedRedis:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        (Path(self.dir).parent / "redis.url").unlink(missing_ok=True)
+        marker = Path(self.dir).parent / "redis.url"
+        with contextlib.suppress(OSError):
+            if marker.read_text().strip() == self.url:  # only our own: another server's stays (it still runs)
+                marker.unlink()

@@ -165,12 +165,26 @@ def stop_workers(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) ->
             proc.kill()
 
 
+def _refuse_a_taken_port(settings: Settings) -> None:
+    """Before anything starts (a Redis, a worker, a file written): the API's address must be free, or this
+    is a second server on a used port, which would fail to bind only after its workers announced it
+    ready, and whose cleanup would take the running server's files with it."""
+    with socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((settings.host, settings.port))
+        except OSError as exc:
+            print(f"met serve: {settings.host}:{settings.port} is in use ({exc.strerror}): is another server running there? Stop it or pass --port.", file=sys.stderr, flush=True)
+            raise SystemExit(3) from None
+
+
 def serve(settings: Settings, *, tui: bool = False) -> None:
     """Run everything until Ctrl-C / SIGTERM. With `tui` (a terminal, no --no-tui) the `met top`
     dashboard is the screen and logs go to <data_dir>/serve.log: see cli/top_serve.py; quitting it is
     Ctrl-C."""
     from models.window import model_folder
 
+    _refuse_a_taken_port(settings)
     os.makedirs(settings.data_dir, exist_ok=True)
     model_folder(settings)  # convert a GGUF (and derive a long-context folder) once, before workers race for it
     embedded = None

@@ -71,7 +71,7 @@ def test_an_edited_record_is_reported_with_its_first_divergent_token(recorded: R
 )
 def test_a_divergence_is_put_down_to_the_kernels_or_to_sampling_by_what_the_request_asked(recorded: Recorded, sampling: dict[str, Any], cause: str) -> None:
     record = read_records([recorded.jsonl.read_bytes().splitlines()[0]])[0]
-    request = replace(record.request, sampling=replace(record.request.sampling, temperature=None, top_k=None, seed=None, **sampling))
+    request = replace(record.request, sampling=replace(record.request.sampling, **({"temperature": None, "top_k": None, "seed": None} | sampling)))
     assert cause in divergence_cause(replace(record, request=request))
 
 
