@@ -214,6 +214,6 @@ def test_the_model_card_is_retrieved_and_an_unknown_model_is_a_404(api: openai.O
     assert card.id == MODEL and card.object == "model" and card == api.models.list().data[0]
     with pytest.raises(openai.NotFoundError) as caught:
         api.models.retrieve("gpt-5")
-    assert caught.value.body == {"message": "The model 'gpt-5' does not exist.", "type": "not_found_error", "param": "model", "code": "model_not_found"}
+    assert caught.value.body == {"message": "The model 'gpt-5' does not exist. This server serves 'SmolLM2-135M-Instruct'.", "type": "not_found_error", "param": "model", "code": "model_not_found"}
     with pytest.raises(openai.NotFoundError):
         api.models.retrieve("org/gpt-5")
