@@ -27,6 +27,7 @@ GEMM row blocking for reproducibility on CPU (vLLM's batch-invariant mode is CUD
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,12 +97,12 @@ def _call(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, calls: Ca
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, x [..., k] by a bf16 CPU weight [n, k], in calls that give each row its own bits
-    (`calls_for`): one plain call where nothing needs doing."""
-    import torch
+    """F.linear, x [..., k] by a weight [n, k], in calls that give each row its own bits where a bf16 CPU
+    GEMM needs it (`calls_for`): one plain call otherwise. On every projection of every step, so the
+    common case is a flag, a dtype and a dict lookup."""
     import torch.nn.functional as F
 
-    calls = calls_for(int(w.shape[1]), int(w.shape[0])) if w.dtype == torch.bfloat16 and x.device.type == "cpu" else ANY
+    calls = calls_for(int(w.shape[1]), int(w.shape[0])) if ENABLED and x.device.type == "cpu" and w.dtype == _bf16() else ANY
     rows = x.numel() // max(1, x.shape[-1])
     if calls == ANY or calls[0] <= rows <= (calls[1] or rows):
         return F.linear(x, w, bias)
@@ -111,17 +112,40 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 def calls_for(k: int, n: int) -> Calls:
     """The rows per bf16 GEMM call of a [k → n] weight on the CPU (`linear`): ANY for no constraint.
     Only where bf16 is native: elsewhere bf16 rows go the float32 way (`TorchRunner.wide_mode`)."""
-    import torch
-
-    if not ENABLED or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    found = _FOUND.get((k, n))
+    if found is not None:
+        return found if ENABLED else ANY
+    if not ENABLED or not native_bf16():
         return ANY
     return _probe(k, n)
 
 
-def probe_all(shapes: list[tuple[int, int]]) -> dict[str, str]:
-    """Probe a model's weight shapes up front (the runner, at load: the first step then pays nothing) and
-    say what was found, "KxN": rows per call."""
-    return {f"{k}x{n}": _say(calls_for(k, n)) for k, n in dict.fromkeys(shapes)}
+@functools.cache
+def native_bf16() -> bool:
+    """Whether oneDNN runs bf16 GEMMs natively here (AVX-512 BF16, AMX) rather than emulating them (AVX2)."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@functools.cache
+def _bf16() -> torch.dtype:
+    import torch
+
+    return torch.bfloat16
+
+
+def probe_all(shapes: list[tuple[int, int]]) -> str:
+    """Probe a model's weight shapes up front (the worker, at load: the first step then pays nothing) and
+    say what was found (`rows_per_call`)."""
+    for k, n in dict.fromkeys(shapes):
+        calls_for(k, n)
+    return rows_per_call()
+
+
+def rows_per_call() -> str:
+    """The shapes probed so far and the call sizes found, "KxN: lo..hi" (the worker's report and log)."""
+    return ", ".join(f"{k}x{n}: {_say(v)}" for (k, n), v in _FOUND.items()) or "not probed"
 
 
 def _say(calls: Calls) -> str:
@@ -140,10 +164,11 @@ def onednn_isa() -> str:
     return next((line.split("isa:", 1)[1].strip() for line in out.splitlines() if "isa:" in line), "none (a bf16 GEMM does not go through oneDNN at this level)")
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[1].split()) if ":" in line else set()
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
 
 
 def cpu_kind() -> str:
@@ -163,6 +188,6 @@ def describe() -> dict[str, Any]:
         "cpu": cpu_kind(),
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
         "mkl_cbwr": os.environ.get("MKL_CBWR", ""),
-        "bf16_rows_per_call": ", ".join(f"{k}x{n}: {_say(v)}" for (k, n), v in _FOUND.items()) or "not probed",
+        "bf16_rows_per_call": rows_per_call(),
         "row_invariant": ENABLED,
     }

@@ -40,7 +40,6 @@ the generic HF path (other architectures, sliding windows, dynamic/longrope RoPE
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from workers.kernels import native_bf16
 from workers.kv_cache import fresh_blocks, gather, read_index, write_index
 from workers.quant import Weight, linear
 
@@ -485,8 +485,3 @@ def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype != torch.float32 or rows >= FEW_ROWS:
         return torch.matmul(a, b)
     return torch.matmul(F.pad(a, (0, 0, 0, FEW_ROWS - rows)), b)[..., :rows, :]
-
-
-@functools.cache
-def native_bf16() -> bool:
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

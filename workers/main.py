@@ -79,7 +79,7 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         "model_impl": "lean" if runner.lean is not None else "hf",
         "quantization": runner.quantization,
         "cpu": kernels.cpu_kind() if device.type == "cpu" else device.type,
-        "bf16_rows_per_call": kernels.describe()["bf16_rows_per_call"],  # where a CPU's GEMM picks kernels by row count (AMX): calls cut to this (--row-invariant)
+        "bf16_rows_per_call": kernels.rows_per_call(),  # where a CPU's GEMM picks kernels by row count (AMX): calls cut to this (--row-invariant)
         "projections": runner.wide_mode,  # which rows multiply in float32 where bf16 is emulated: off | auto | prompt (--batch-invariant)
         "kv_blocks": str(runner.num_blocks),
         "kv_block_size": str(runner.block_size),

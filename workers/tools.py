@@ -55,9 +55,7 @@ class HermesParser:
             self._buf = self._buf[: len(self._buf) - partial_suffix(self._buf, OPEN)] if self._mode == "text" else ""
         if self._mode == "text" and self._buf and not (self.calls and self._buf.isspace()):
             out.append(Content(text=self._buf))
-        elif self._mode == "head" and cut:
-            pass
-        elif self._mode == "head":
+        elif self._mode == "head" and not cut:
             out.append(Content(text=OPEN + self._buf))
         elif self._mode == "args" and len(self._buf) > self._sent:
             out.append(ToolCallArgs(index=self.calls, arguments=self._buf[self._sent :]))
