@@ -268,9 +268,10 @@ http {{
 
 def responses_stream_text(api: Any, prompt: str, max_output_tokens: int, **params: Any) -> tuple[str, str]:
     """Stream a Responses request with the SDK; (text, terminal event type). The SDK's stream helper
-    only returns a `response.completed` response, and a max_output_tokens cut ends `response.incomplete`."""
+    only returns a `response.completed` response, and a max_output_tokens cut ends `response.incomplete`.
+    It names the default model (a compose stack's containers serve only its name, not the suite's "m")."""
     text, terminal = "", ""
-    for event in api.responses.create(model="m", input=prompt, max_output_tokens=max_output_tokens, stream=True, **params):
+    for event in api.responses.create(model="SmolLM2-135M-Instruct", input=prompt, max_output_tokens=max_output_tokens, stream=True, **params):
         if event.type == "response.output_text.delta":
             text += event.delta
         elif event.type in ("response.completed", "response.incomplete", "response.failed"):
