@@ -156,7 +156,7 @@ async def _load(url: str, ids: Sequence[str]) -> list[DumpRecord | None]:
         await redis.aclose()
 
 
-async def _load_by_prefix(url: str, id_or_prefix: str) -> tuple[DumpRecord | None, list[str]]:
+async def load_by_prefix(url: str, id_or_prefix: str) -> tuple[DumpRecord | None, list[str]]:
     """The record whose id is `id_or_prefix`, else the one recorded id it starts; with the candidates
     when the prefix starts several (then no record)."""
     redis = connect(url)
@@ -210,7 +210,7 @@ def show(
 ) -> None:
     """Show one request (its id or a unique prefix of it): status, outcome, worker, attempt, timings from receipt, tokens and the generated text."""
     url = resolve_redis_url(redis_url, data_dir)
-    record, candidates = asyncio.run(_load_by_prefix(url, request_id))
+    record, candidates = asyncio.run(load_by_prefix(url, request_id))
     if len(candidates) > 1:
         shown = "\n".join(f"  {c}" for c in candidates[:AMBIGUOUS_SHOWN])
         more = "\n  ... and more" if len(candidates) > AMBIGUOUS_SHOWN else ""

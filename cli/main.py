@@ -481,7 +481,7 @@ app.add_typer(batch_app, name="batch")  # submit / list / show / cancel / result
 
 @app.command(help=REPLAY_HELP)
 def replay(
-    file: Annotated[str, typer.Argument(help="JSONL of dump records (`met dump export`, or a --dump-dir file).", metavar="FILE.jsonl")],
+    file: Annotated[str, typer.Argument(help="JSONL of dump records (`met dump export`, or a --dump-dir file), or a recorded request id (read from Redis).", metavar="FILE_OR_ID")],
     against: Annotated[str | None, typer.Option(help="Replay over HTTP against this server (http://127.0.0.1:8000); re-renders the prompt.")] = None,
     redis_url: Annotated[str | None, typer.Option("--redis-url", help="Replay exactly through this Redis (default: the local `met serve`'s).")] = None,
     encode_only: Annotated[bool, typer.Option("--encode-only", help="Run nothing: write the recorded deltas as SSE bytes.")] = False,

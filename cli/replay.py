@@ -7,6 +7,8 @@ deltas (`encoders.wire.tail`): exact. `--against URL` re-sends the recorded body
 which re-renders the prompt on the server. Either way `shared.dumps.compare` decides: same generated
 token ids, text and finish reason. Requests run one after another, so batch-mates never differ.
 `--encode-only` needs no model: it writes the recorded deltas as a protocol's SSE bytes.
+FILE is a JSONL of dump records; where no such file exists it is taken as a request id (or a unique
+prefix of one) and its record is read from Redis, as `met dump show` finds it.
 Must not: edit the records, or count a request that could not be replayed as a match.
 """
 
@@ -26,7 +28,7 @@ from redis.asyncio import Redis
 
 from bus.connect import connect
 from bus.tails import Tails
-from cli.dump import resolve_redis_url
+from cli.dump import AMBIGUOUS_SHOWN, load_by_prefix, resolve_redis_url
 from cli.replay_http import ReplayHttpError, post_and_read
 from encoders.reencode import encode_sse
 from encoders.wire import tail
@@ -35,6 +37,7 @@ from shared.codec import DELTA_FIELD, CodecError
 from shared.deltas import StreamDelta
 from shared.dumps import Comparison, DumpRecord, compare, read_records
 from shared.ir import Protocol
+from shared.redact import redact_url
 from shared.settings import Settings
 
 PROTOCOLS = {
@@ -70,6 +73,25 @@ def load_file(path: str) -> list[DumpRecord]:
             return read_records(lines)
     except (OSError, ValueError, KeyError, CodecError) as exc:
         raise typer.BadParameter(f"cannot read dump records from {path}: {exc}", param_hint="FILE") from None
+
+
+def load_records(source: str, *, redis_url: str | None, data_dir: str | None) -> list[DumpRecord]:
+    """The records of `source`: a file of dump records, else the recorded request with that id (or the
+    one id it uniquely starts) in Redis; a clear error naming both ways when neither finds one."""
+    if os.path.exists(source) or source == "-" or os.sep in source or source.endswith((".jsonl", ".json")):
+        return load_file(source)
+    url = resolve_redis_url(redis_url, data_dir)
+    record, candidates = asyncio.run(load_by_prefix(url, source))
+    if len(candidates) > 1:
+        shown = ", ".join(candidates[:AMBIGUOUS_SHOWN])
+        raise typer.BadParameter(f"{source} is neither a file nor one recorded request: it starts several ({shown}...).", param_hint="FILE")
+    if record is None:
+        raise typer.BadParameter(
+            f"{source} is neither a file nor a recorded request in the Redis at {redact_url(url)} (never seen, or older than the dump TTL). "
+            "`met dump list` shows the recorded ids; `met dump export ID -o FILE.jsonl` saves one to replay later.",
+            param_hint="FILE",
+        )
+    return [record]
 
 
 # ---- replaying -------------------------------------------------------------------------------------
@@ -185,10 +207,10 @@ class ReplayOptions:
 
 
 def run(file: str, options: ReplayOptions) -> None:
-    """Replay every record in `file`, print the report; typer.Exit(1) unless all matched."""
-    records = load_file(file)
+    """Replay every record in `file` (or the recorded request of that id), print the report; typer.Exit(1) unless all matched."""
     if options.against and options.redis_url:
         raise typer.BadParameter("use either --against or --redis-url, not both", param_hint="--against")
+    records = load_records(file, redis_url=options.redis_url, data_dir=options.data_dir)
     settings = Settings.from_env(os.environ).with_overrides(max_queue=options.max_queue)
     target = ReplayTarget(
         redis_url=None if options.against else resolve_redis_url(options.redis_url, options.data_dir),

@@ -10,8 +10,11 @@ node opens it when the block comes back; `display: "omitted"` sends the block wi
 Error → `event: error` and nothing after. Parallel tool calls whose argument fragments interleave are
 put in order by `encoders.blocks` (one block open at a time; nothing dropped, later blocks held).
 Usage follows Anthropic's split: `input_tokens` are the prompt tokens not read from the prefix cache,
-`cache_read_input_tokens` those that were (`Usage.cached_tokens`, known only at the finish, so
-`message_start` reports the whole prompt as input); `cache_creation_input_tokens` is always 0 (our
+`cache_read_input_tokens` those that were (`Usage.cached_tokens` at the finish; `message_start` takes the
+same split from the request's first delta, `Content.cached_tokens`, so both events agree; a gateway
+worker learns it only at the finish, where `message_start` counts the whole prompt as input). So
+`message_start` waits for the first delta; a prefill longer than the ping interval sends `ping` events
+before it (the SDKs skip pings wherever they come). `cache_creation_input_tokens` is always 0 (our
 cache fills itself, nothing is billed for writing it).
 Must not: do I/O, or expose token ids unless the request asked (`return_token_ids`, an extension).
 """
@@ -66,6 +69,7 @@ class _MessageState:
         self._sequencer = BlockSequencer()
         self._open: int | None = None
         self._started = False
+        self._cached = 0  # prompt tokens read from the prefix cache (the first delta says: shared.deltas.Content)
         self._pending_ids: list[int] = []  # token ids not yet attached to a streamed payload
 
     @property
@@ -80,6 +84,8 @@ class _MessageState:
             return [error_body(delta.message, delta.kind.value)]
         self.token_ids.extend(delta.token_ids)
         self._pending_ids.extend(delta.token_ids)
+        if not self._started and isinstance(delta, Content) and delta.cached_tokens is not None:
+            self._cached = delta.cached_tokens
         events = self._start()
         if isinstance(delta, Finish):
             self.finish = delta
@@ -119,7 +125,7 @@ class _MessageState:
     def message(self, *, streaming: bool) -> dict[str, Any]:
         """The Message object: empty with null stop reason for `message_start`, else what was built so far."""
         r, done = self.request, self.finish
-        usage = _usage(done.usage if done else Usage(prompt_tokens=len(r.prompt_token_ids)))
+        usage = _usage(done.usage if done else Usage(prompt_tokens=len(r.prompt_token_ids), cached_tokens=self._cached))
         body: dict[str, Any] = {
             "id": message_id(r),
             "type": "message",

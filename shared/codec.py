@@ -88,8 +88,11 @@ def _asdict(obj: Any) -> dict[str, Any]:
 
 def encode_delta(delta: StreamDelta) -> bytes:
     doc = _asdict(delta)
-    if isinstance(delta, Content) and not delta.prompt_logprobs:
-        del doc["prompt_logprobs"]  # on one delta of the few requests that ask; every other event stays as it was
+    if isinstance(delta, Content):  # on one delta of a request each: every other event stays as it was
+        if not delta.prompt_logprobs:
+            del doc["prompt_logprobs"]
+        if delta.cached_tokens is None:
+            del doc["cached_tokens"]
     doc["v"] = VERSION
     doc["t"] = _DELTA_TAGS[type(delta)]
     return orjson.dumps(doc)
@@ -107,7 +110,7 @@ def decode_delta(raw: bytes | str) -> StreamDelta:
 
 def delta_from_dict(doc: dict[str, Any]) -> StreamDelta:
     _check_version(doc)
-    if doc.get("t") == "content" and not doc.get("logprobs") and not doc.get("prompt_logprobs"):  # nearly every delta: built directly
+    if doc.get("t") == "content" and not doc.get("logprobs") and not doc.get("prompt_logprobs") and "cached_tokens" not in doc:  # nearly every delta: built directly
         return Content(text=doc["text"], token_ids=tuple(doc.get("token_ids", ())), attempt=doc.get("attempt", 1))
     cls = _DELTA_TYPES.get(doc.get("t", ""))
     if cls is None:

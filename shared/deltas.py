@@ -139,13 +139,17 @@ class TokenLogprob:
 class Content:
     """Answer text. `prompt_logprobs` (asked by `SamplingParams.prompt_logprobs`) rides on a first,
     text-less Content written when the request is admitted: one entry per prompt token, the first of
-    which has nothing before it (its `logprob` is 0.0 and means nothing; encoders show null)."""
+    which has nothing before it (its `logprob` is 0.0 and means nothing; encoders show null).
+    `cached_tokens` (the prompt tokens read from the prefix cache) rides on the request's first generated
+    delta, a text-less Content where the first is not text, so a stream's opening usage (Anthropic's
+    `message_start`) splits the prompt as its final usage does; None on every other delta."""
 
     text: str
     token_ids: tuple[int, ...] = ()
     attempt: int = 1
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

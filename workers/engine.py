@@ -103,6 +103,7 @@ class _TextState:
     sealed: bool = False  # the span's sealed delta was written
     calls: dict[int, list[str]] = field(default_factory=dict)  # tool calls parsed so far: index → [name, argument pieces...]
     answer_begun: bool = False  # after a span: the answer's leading blank lines are dropped until text comes
+    opened: bool = False  # the first generated delta (with the prefix-cache count) was written
 
 
 @dataclass
@@ -430,9 +431,16 @@ class Engine:
 
     def _push(self, seq: Sequence, deltas: list[StreamDelta], out: list[Emission]) -> None:
         state: _TextState = seq.state
+        if deltas and not state.opened:
+            state.opened = True  # the prefix-cache count rides on the first delta (a text-less Content before any other)
+            cached = seq.cached_tokens or 0
+            if type(deltas[0]) is Content:
+                deltas = [replace(deltas[0], cached_tokens=cached), *deltas[1:]]
+            else:
+                out.append(Emission(seq.key, Content(text="", attempt=seq.attempt, cached_tokens=cached)))
         for delta in deltas:
             token_ids = tuple(state.pending_ids)
-            if type(delta) is Content and not delta.prompt_logprobs:  # the common case, built directly (replace() costs ~4 µs)
+            if type(delta) is Content and not delta.prompt_logprobs and delta.cached_tokens is None:  # the common case, built directly (replace() costs ~4 µs)
                 stamped: StreamDelta = Content(text=delta.text, token_ids=token_ids, attempt=seq.attempt, logprobs=tuple(state.pending_logprobs))
             elif isinstance(delta, Content):
                 stamped = replace(delta, token_ids=token_ids, attempt=seq.attempt, logprobs=tuple(state.pending_logprobs))

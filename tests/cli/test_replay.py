@@ -30,6 +30,24 @@ def test_all_twenty_recorded_requests_replay_through_redis_with_the_same_output(
         assert re.search(rf"^{request_id}\s+\S+\s+match\s", result.output, re.MULTILINE), result.output
 
 
+def test_a_request_id_replays_straight_from_redis_and_an_unknown_one_says_how_to_export(recorded: Recorded, live_server: LiveServer) -> None:
+    request_id = recorded.ids[1]
+    result = met("replay", request_id[:12], "--redis-url", live_server.redis_url)  # a unique prefix, as `met dump show` takes
+    assert result.exit_code == 0, result.output
+    assert re.search(rf"^{request_id}\s+\S+\s+match\s", result.output, re.MULTILINE), result.output
+    assert result.output.splitlines()[-1] == "1 request(s): 1 matched, 0 diverged"
+    unknown = met("replay", "0123456789abcdef01234567", "--redis-url", live_server.redis_url)
+    assert unknown.exit_code == 2
+    assert "neither a file nor a recorded request" in unboxed(unknown.output) and "met dump export" in unboxed(unknown.output), unknown.output
+    missing = met("replay", "no/such/file.jsonl", "--redis-url", live_server.redis_url)
+    assert missing.exit_code == 2 and "cannot read dump records from no/such/file.jsonl" in unboxed(missing.output), missing.output
+
+
+def unboxed(output: str) -> str:
+    """A click error as one line of words (rich draws it in a wrapped box)."""
+    return " ".join(re.sub("[│╭╮╰╯─]", " ", output).split())
+
+
 def test_the_greedy_requests_replay_over_http_too(recorded: Recorded, live_server: LiveServer, tmp_path: Path) -> None:
     lines = recorded.jsonl.read_bytes().splitlines()
     subset = tmp_path / "some.jsonl"

@@ -125,6 +125,15 @@ def test_the_sdk_accumulates_each_stream_into_the_non_streaming_body(scenario: s
     assert sdk_message(replay(req, SCENARIOS[scenario])) == drop_none(body)
 
 
+def test_message_start_splits_the_prompt_as_message_delta_does_after_a_cache_hit() -> None:
+    """The first delta says how much of the prompt came from the prefix cache; both usages agree."""
+    deltas = [Content(text="Hi", token_ids=(7,), cached_tokens=2), Finish(reason=FinishReason.STOP, usage=Usage(prompt_tokens=len(PROMPT_IDS), completion_tokens=1, cached_tokens=2))]
+    events = payloads(replay(anthropic_request(), deltas))
+    start, end = events[0]["message"]["usage"], events[-2]["usage"]
+    assert start["cache_read_input_tokens"] == end["cache_read_input_tokens"] == 2
+    assert start["input_tokens"] == end["input_tokens"] == len(PROMPT_IDS) - 2
+
+
 def test_plain_text_payloads_carry_the_message_text_and_cumulative_usage() -> None:
     events = payloads(replay(anthropic_request(), SCENARIOS["plain_text"]))
     assert events[0]["message"]["id"] == "msg_req01"

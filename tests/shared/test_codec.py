@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import orjson
 import pytest
 
@@ -88,6 +90,10 @@ def test_logprobs_and_error_kinds_round_trip() -> None:
     scored = Content(text="", prompt_logprobs=(TokenLogprob(token="The", token_id=504, logprob=0.0), TokenLogprob(token=" cat", token_id=9, logprob=-3.5, top=((" dog", 7, -1.0),))))
     assert decode_delta(encode_delta(scored)) == scored
     assert "prompt_logprobs" not in orjson.loads(encode_delta(content))  # absent unless carried
+    opening = Content(text="Hi", token_ids=(5,), cached_tokens=32)
+    assert decode_delta(encode_delta(opening)) == opening
+    assert decode_delta(encode_delta(replace(opening, cached_tokens=0))).cached_tokens == 0  # zero is said, not dropped
+    assert "cached_tokens" not in orjson.loads(encode_delta(content))
     error = Error(message="boom", kind=ErrorKind.TIMEOUT, attempt=3)
     assert decode_delta(encode_delta(error)) == error
 
