@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import signal
 from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -46,6 +47,12 @@ def _count(renderer: Any, request: Request) -> int:
     pool's `initargs`: those are written by whichever thread spawns the child, and that write blocks
     until the child has imported transformers to unpickle them (seconds of a stalled loop, measured)."""
     return len(renderer.for_bulk().render(request))
+
+
+def _ignore_interrupts() -> None:
+    """In the child: Ctrl-C reaches the terminal's whole process group; the server shuts the pool down,
+    and the child must not die printing a KeyboardInterrupt traceback of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class Tokenizing:
@@ -71,7 +78,7 @@ class Tokenizing:
             return len(await self.run(size, lambda: self._renderer.render(request)))
         if self._counting is None:
             spawn = multiprocessing.get_context("spawn")  # never fork a process that runs an event loop and threads
-            self._counting = ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1)
+            self._counting = ProcessPoolExecutor(1, mp_context=spawn, max_tasks_per_child=1, initializer=_ignore_interrupts)
         return await self._large_job(self._counting, _count, self._renderer, request)
 
     async def _large_job(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:

@@ -4,6 +4,8 @@ bounded and never holds up small requests."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 
 import pytest
@@ -80,4 +82,25 @@ async def test_a_large_count_encodes_in_bulk_in_the_child_and_a_small_one_as_pro
     lanes = Tokenizing(Settings(), BulkRecorder())
     assert await lanes.count(LARGE_BODY_BYTES + 1, request) == 2
     assert await lanes.count(100, request) == 1
+    lanes.close()
+
+
+class InterruptedRecorder:
+    """Renders one token after a Ctrl-C reaches its process (picklable): SIGINT sent to itself, as a
+    terminal sends it to the server's whole process group."""
+
+    def for_bulk(self) -> InterruptedRecorder:
+        return self
+
+    def render(self, request: object) -> list[int]:
+        os.kill(os.getpid(), signal.SIGINT)
+        return [0]
+
+
+async def test_ctrl_c_leaves_the_counting_child_quiet_for_the_server_to_stop() -> None:
+    from ingest.anthropic_messages import parse_count_tokens
+
+    request = parse_count_tokens({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, request_id="i", created=1.0)
+    lanes = Tokenizing(Settings(), InterruptedRecorder())
+    assert await lanes.count(LARGE_BODY_BYTES + 1, request) == 1  # not a KeyboardInterrupt (traceback) in the child
     lanes.close()
