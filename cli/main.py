@@ -1,19 +1,24 @@
-"""`met`: the command line (typer). Flags default to the environment (`Settings.from_env`)."""
+"""`met`: the command line (typer). Flags default to the environment (`Settings.from_env`); `command()`
+shows those defaults in --help."""
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from rich.markup import escape as rich_escape
+from typer.core import TyperOption
 
 from cli import logs
 from cli.batch import app as batch_app
 from cli.dump import DataDirOption as DumpDataDir
 from cli.dump import app as dump_app
 from cli.replay import HELP as REPLAY_HELP
+from shared.redact import is_secret, redact_url
 from shared.settings import QUANTIZATIONS, Settings
 
 app = typer.Typer(
@@ -500,9 +505,43 @@ def replay(
     replaying.run(file, options)
 
 
+def command() -> Any:
+    """The `met` command tree, each flag's help ending with the value it takes when not given: the
+    environment's (MET_<FIELD>), else Settings' default. The flags default to None (so an unset flag
+    falls through to the environment), which typer would show as no default at all."""
+    group = typer.main.get_command(app)
+    _show_defaults(group, Settings.from_env(os.environ))
+    return group
+
+
+def _show_defaults(command: Any, settings: Settings) -> None:
+    names = {f.name for f in fields(Settings)}
+    for param in command.params:
+        if not isinstance(param, TyperOption) or param.name not in names or param.default is not None:
+            continue
+        shown = _default_text(param, getattr(settings, param.name))
+        if shown:
+            param.help = f"{param.help or ''} {rich_escape(f'[default: {shown}]')}".strip()
+    for sub in getattr(command, "commands", {}).values():
+        _show_defaults(sub, settings)
+
+
+def _default_text(param: TyperOption, value: object) -> str:
+    """How a default reads in --help: the flag a boolean is on, a URL without its password, never a secret."""
+    if is_secret(param.name or "") or value in ("", None):
+        return ""
+    if isinstance(value, bool):
+        if param.secondary_opts:
+            return (param.opts if value else param.secondary_opts)[0]
+        return "on" if value else "off"
+    if isinstance(value, str) and "://" in value:
+        return redact_url(value)
+    return str(value)
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    app(prog_name="met")  # `met --help` says `met` also when run as `python -m cli.main`
+    command()(prog_name="met")  # `met --help` says `met` also when run as `python -m cli.main`
 
 
 if __name__ == "__main__":
