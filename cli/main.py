@@ -390,8 +390,8 @@ def api(
 ) -> None:
     """Run only the API role against --redis-url (what compose and multi-node setups use)."""
     settings = _settings(**locals())
-    from cli.event_loop import run_loop
     from cli.serve import run_api
+    from shared.event_loop import run_loop
 
     if not settings.redis_url:
         raise typer.BadParameter("`met api` needs --redis-url (or REDIS_URL)", param_hint="--redis-url")
@@ -453,7 +453,7 @@ def worker(
     settings = _settings(**locals())
     _check_tool_parser(settings)
     yield_to_upstream(settings)
-    from cli.event_loop import run_loop
+    from shared.event_loop import run_loop
     from workers.main import run_worker
 
     if not settings.redis_url:

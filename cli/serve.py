@@ -24,10 +24,10 @@ import uvicorn
 
 from bus.connect import connect
 from cli.embedded_redis import EmbeddedRedis, detached
-from cli.event_loop import run_loop, settle_heap
 from cli.http_protocol import with_header_timeout
 from cli.top_serve import Dashboard
 from shared import keys
+from shared.event_loop import run_loop, settle_heap
 from shared.redact import redact_url
 from shared.settings import Settings
 
@@ -94,7 +94,7 @@ async def run_api(settings: Settings, before_exit: Callable[[], None] | None = N
     name, folder = await asyncio.to_thread(model_folder, settings)
     renderer = await asyncio.to_thread(PromptRenderer.load, folder, name=name, max_model_len=settings.max_model_len)
     app = build_app(settings, renderer)
-    settle_heap()  # the renderer and the app are loaded: out of the garbage collector's way (cli.event_loop)
+    settle_heap()  # the renderer and the app are loaded: out of the garbage collector's way (shared.event_loop)
     api = app.met_api  # type: ignore[attr-defined]
     stop_workers = before_exit
 

@@ -54,7 +54,7 @@ from shared.ir import ImagePart, Protocol, Request
 from shared.redact import redact
 from shared.seal import Sealer, load_sealer, open_reasoning
 from shared.settings import Settings
-from workers.upstream_request import check_expressible
+from shared.upstream_request import check_expressible
 
 log = logging.getLogger("met.api")
 

@@ -2,8 +2,8 @@
 server (vLLM, SGLang, llama.cpp, Ollama, another Metrale).
 
 `Gateway` is the worker's engine: one asyncio task per request streams `POST {upstream}/chat/completions`
-(the body from workers/upstream_request.py) through an httpx `AsyncClient`, feeds the bytes to the pure
-parser (workers/upstream_chunks.py) and queues what comes out; at most `--upstream-max-inflight` run at
+(the body from shared/upstream_request.py) through an httpx `AsyncClient`, feeds the bytes to the pure
+parser (shared/upstream_chunks.py) and queues what comes out; at most `--upstream-max-inflight` run at
 once. Cancelling a request (client gone, operator) cancels its task, which closes the upstream request.
 An upstream that cannot be reached (or dies before it answers) is retried until `--upstream-timeout`, then
 the request fails with one Error; a stream that breaks after it began ends with one Error (the parser's cut). A health probe
@@ -56,10 +56,10 @@ from shared.deltas import (
 from shared.ir import Request
 from shared.redact import redact_url
 from shared.settings import Settings
+from shared.upstream_chunks import UpstreamStream, upstream_error_message
+from shared.upstream_request import chat_body, continue_body
 from workers.engine import Emission
 from workers.loop import ClaimLoop
-from workers.upstream_chunks import UpstreamStream, upstream_error_message
-from workers.upstream_request import chat_body, continue_body
 
 log = logging.getLogger(__name__)
 PROBE_EVERY_S = 2.0

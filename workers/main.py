@@ -19,12 +19,12 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from bus.connect import DEFAULT_MAX_CONNECTIONS, connect
-from cli.event_loop import settle_heap
 from models.files import local_folder
 from models.generation import sampling_defaults
 from models.prompt import PromptRenderer
 from models.window import describe, model_folder
 from shared import keys
+from shared.event_loop import settle_heap
 from shared.seal import load_sealer
 from shared.settings import Settings
 from workers.engine import Engine
@@ -157,7 +157,7 @@ async def run_worker(settings: Settings) -> None:
         return
     engine, info, stepper = await load_engine(settings)
     keep_freed_memory()
-    settle_heap()  # the model and tokenizer are loaded: out of the garbage collector's way (cli.event_loop)
+    settle_heap()  # the model and tokenizer are loaded: out of the garbage collector's way (shared.event_loop)
     redis = redis_client(settings.redis_url, settings.redis_max_connections)
     engine.sealer = await _until_redis_answers(lambda: load_sealer(redis, keys.SEAL_KEY))
     loop = WorkerLoop(redis, engine, settings=settings, worker_id=worker_id, info=info, stepper=stepper)

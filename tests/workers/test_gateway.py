@@ -20,10 +20,10 @@ from shared.codec import deltas_of
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, Reasoning, StreamDelta, ToolCallStart, Usage, is_terminal
 from shared.ir import Constraint, ConstraintKind, Message, Protocol, Request, Role, SamplingParams, TextPart
 from shared.settings import Settings
+from shared.upstream_request import chat_body, continue_body
 from workers import leases
 from workers.gateway import RESUME_MESSAGE, Continuation, Gateway, GatewayLoop, Upstream
 from workers.main import redis_client
-from workers.upstream_request import chat_body, continue_body
 
 
 def request(rid: str) -> Request:

@@ -1,5 +1,5 @@
 """IR → upstream chat body, and the refusals of what an upstream's chat API cannot express
-(workers/upstream_request.py), through the real protocol parsers."""
+(shared/upstream_request.py), through the real protocol parsers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from ingest import anthropic_messages, openai_chat, openai_responses
 from shared.errors import ApiError
-from workers.upstream_request import chat_body, check_expressible
+from shared.upstream_request import chat_body, check_expressible
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "d", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 

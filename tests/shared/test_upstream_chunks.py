@@ -1,4 +1,4 @@
-"""The pure upstream-chunk parser (workers/upstream_chunks.py) on recorded and hand-written streams:
+"""The pure upstream-chunk parser (shared/upstream_chunks.py) on recorded and hand-written streams:
 each `tests/fixtures/upstream/<name>.sse` must parse into `<name>.deltas.json`, however the bytes are cut."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from shared.deltas import Content, Error, Finish, FinishReason, StreamDelta, ToolCallArgs, ToolCallStart
-from workers.upstream_chunks import CUT_MESSAGE, UpstreamStream
+from shared.upstream_chunks import CUT_MESSAGE, UpstreamStream
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "upstream"
 STREAMS = sorted(p.stem for p in FIXTURES.glob("*.sse"))
