@@ -40,7 +40,7 @@ from ingest.errors import error_body, failure, status_for
 from ingest.limits import RateLimiter, check_stored_size, parse_json, read_body
 from ingest.metrics import CONTENT_TYPE, Metrics
 from ingest.models import ModelNames
-from ingest.publish import admit_and_submit, cancel
+from ingest.publish import Origin, admit_and_submit, cancel
 from ingest.readiness import readiness
 from ingest.resume_routes import Followers, ResponseRoutes, recording, resume_choices, resume_stream
 from ingest.surfaces import SURFACES, Surface
@@ -164,11 +164,11 @@ class Api:
         tokens = sum(len(p.prompt_token_ids) + (p.sampling.max_tokens or limit - len(p.prompt_token_ids)) for p in parts)
         await self.limiter.charge(caller_of(http), tokens=tokens)
 
-    async def publish(self, parts: list[Request], encoded: list[bytes], *, owner: str) -> None:
+    async def publish(self, parts: list[Request], encoded: list[bytes], *, owner: str, client: str = "") -> None:
         """Admit (queue depth) and XADD every part of a request (`encoded`: their records), or refuse before anything is queued."""
         try:
             limit, timeout = self.settings.max_queue, self.settings.request_timeout
-            admitted = await admit_and_submit(self.redis, parts, limit, request_timeout=timeout, owner=owner, encoded=encoded)
+            admitted = await admit_and_submit(self.redis, parts, limit, request_timeout=timeout, origin=Origin(owner, client), encoded=encoded)
             if not admitted:
                 raise ApiError(
                     f"The server is at its queue limit ({self.settings.max_queue} requests); retry shortly.",
@@ -316,7 +316,7 @@ class Api:
         prepared = await self.tokenizing.run(len(raw), partial(self.prepare_parts, surface, body, request))
         request, parts = prepared.request, prepared.parts
         await self.charge(http, parts)
-        await self.publish(parts, prepared.encoded, owner=caller)
+        await self.publish(parts, prepared.encoded, owner=caller, client=client_of(http))
         response = await self._answer(http, surface, body, request, parts, store)
         for name, value in self.relaxation_headers(request, prepared.relaxed).items():
             response.add_header(name.encode(), value.encode())
@@ -379,6 +379,14 @@ def fan_out(request: Request) -> list[Request]:
 
 async def _nothing() -> None:
     return None
+
+
+def client_of(http: HttpRequest) -> str:
+    """Who sent a request, for `met top` and dumps: the peer address and the user agent's first product
+    token (`OpenAI/Python`, `claude-cli/2.1.332`), printable characters only, bounded."""
+    agent = (http.get_first_header(b"user-agent") or b"").decode("latin-1").split(" ", 1)[0]
+    agent = "".join(c for c in agent if c.isprintable())[:48]
+    return f"{http.client_ip} {agent}".strip()
 
 
 def new_id() -> str:

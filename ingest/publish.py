@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
@@ -18,9 +19,18 @@ from shared.codec import ID_FIELD, QUEUED, REQUEST_FIELD, STREAM_MARKER, VERSION
 from shared.ir import Request
 
 OWNER = Meta.OWNER  # the request meta field naming the caller id that made it (ingest.auth.owns)
+BATCH_CLIENT = "batch"  # the client `met top` shows for a batch line
 
 
-async def submit(redis: Redis, request: Request, *, owner: str = ANONYMOUS) -> None:
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Who made a request: the caller id that owns it (ingest.auth) and the client `met top` shows."""
+
+    owner: str = ANONYMOUS
+    client: str = ""
+
+
+async def submit(redis: Redis, request: Request, *, owner: str = ANONYMOUS, client: str = "") -> None:
     """Record the request (IR, meta, index), create its empty delta stream (so that workers' NOMKSTREAM
     writes can never recreate an expired one), then XADD it (never MAXLEN: accepted work is never trimmed).
 
@@ -29,17 +39,17 @@ async def submit(redis: Redis, request: Request, *, owner: str = ANONYMOUS) -> N
     written first (one slot, one script) and the global ones after (bus.connect)."""
     if is_cluster(redis):
         encoded = encode_request(request)
-        await _record(redis, request, encoded, owner)
+        await _record(redis, request, encoded, owner, client)
         async with redis.pipeline(transaction=False) as pipe:
             _enqueue(pipe, request, encoded)
             await pipe.execute()
         return
     async with redis.pipeline(transaction=False) as pipe:
-        _queue(pipe, request, owner)
+        _queue(pipe, request, owner, client)
         await pipe.execute()
 
 
-async def submit_batch_line(redis: Redis, request: Request, *, owner: str = ANONYMOUS) -> None:
+async def submit_batch_line(redis: Redis, request: Request, *, owner: str = ANONYMOUS, client: str = BATCH_CLIENT) -> None:
     """`submit` for a batch line, all or nothing (MULTI/EXEC), with its place in the queue counted:
     once the IR key exists the line is queued, so a dispatcher that restarts asks `is_queued` and never
     queues a line twice or loses one.
@@ -50,7 +60,7 @@ async def submit_batch_line(redis: Redis, request: Request, *, owner: str = ANON
     recorded once, by custom_id): at least once, never lost."""
     if is_cluster(redis):
         encoded = encode_request(request)
-        await _record(redis, request, b"", owner)
+        await _record(redis, request, b"", owner, client)
         async with redis.pipeline(transaction=False) as pipe:
             pipe.zadd(keys.INFLIGHT, {request.id: time.time()})
             _enqueue(pipe, request, encoded)
@@ -59,7 +69,7 @@ async def submit_batch_line(redis: Redis, request: Request, *, owner: str = ANON
         return
     async with redis.pipeline(transaction=True) as pipe:
         pipe.zadd(keys.INFLIGHT, {request.id: time.time()})
-        _queue(pipe, request, owner)
+        _queue(pipe, request, owner, client)
         await pipe.execute()
 
 
@@ -73,12 +83,12 @@ async def owner_of(redis: Redis, request_id: str) -> str | None:
     return bytes(raw).decode() if raw is not None else None
 
 
-def _queue(pipe: Pipeline, request: Request, owner: str) -> None:
+def _queue(pipe: Pipeline, request: Request, owner: str, client: str = "") -> None:
     encoded = encode_request(request)
     now = time.time()
     deltas = keys.delta_stream(request.id)
     pipe.set(keys.request_ir(request.id), encoded)
-    meta = {Meta.STATUS: QUEUED, Meta.PROTOCOL: request.protocol.value, Meta.MODEL: request.model, Meta.ENDPOINT: request.endpoint, Meta.RECEIVED_AT: now, OWNER: owner}
+    meta = {Meta.STATUS: QUEUED, Meta.PROTOCOL: request.protocol.value, Meta.MODEL: request.model, Meta.ENDPOINT: request.endpoint, Meta.RECEIVED_AT: now, OWNER: owner, Meta.CLIENT: client}
     pipe.hset(keys.request_meta(request.id), mapping=meta)  # type: ignore[arg-type]
     pipe.xadd(deltas, STREAM_MARKER, id="0-1")
     pipe.xtrim(deltas, maxlen=0, approximate=False)
@@ -87,22 +97,22 @@ def _queue(pipe: Pipeline, request: Request, owner: str) -> None:
 
 
 # The request's own keys, one slot (cluster path): KEYS ir, meta, deltas; ARGV encoded IR ('' = not
-# yet), protocol, model, endpoint, now, owner. Creates the empty delta stream once (an empty stream stays a key).
+# yet), protocol, model, endpoint, now, owner, client. Creates the empty delta stream once (an empty stream stays a key).
 _MARKER_FIELD, _MARKER_VALUE = (str(v.decode() if isinstance(v, bytes) else v) for v in next(iter(STREAM_MARKER.items())))
 _RECORD = f"""
 if redis.call('EXISTS', KEYS[3]) == 0 then
   redis.call('XADD', KEYS[3], '0-1', '{_MARKER_FIELD}', '{_MARKER_VALUE}')
   redis.call('XTRIM', KEYS[3], 'MAXLEN', 0)
 end
-redis.call('HSET', KEYS[2], '{Meta.STATUS}', '{QUEUED}', '{Meta.PROTOCOL}', ARGV[2], '{Meta.MODEL}', ARGV[3], '{Meta.ENDPOINT}', ARGV[4], '{Meta.RECEIVED_AT}', ARGV[5], '{Meta.OWNER}', ARGV[6])
+redis.call('HSET', KEYS[2], '{Meta.STATUS}', '{QUEUED}', '{Meta.PROTOCOL}', ARGV[2], '{Meta.MODEL}', ARGV[3], '{Meta.ENDPOINT}', ARGV[4], '{Meta.RECEIVED_AT}', ARGV[5], '{Meta.OWNER}', ARGV[6], '{Meta.CLIENT}', ARGV[7])
 if ARGV[1] ~= '' then redis.call('SET', KEYS[1], ARGV[1]) end
 return 1
 """
 
 
-async def _record(redis: Redis, request: Request, encoded: bytes, owner: str) -> None:
+async def _record(redis: Redis, request: Request, encoded: bytes, owner: str, client: str = "") -> None:
     ids = (keys.request_ir(request.id), keys.request_meta(request.id), keys.delta_stream(request.id))
-    await redis.eval(_RECORD, 3, *ids, encoded, request.protocol.value, request.model, request.endpoint, time.time(), owner)
+    await redis.eval(_RECORD, 3, *ids, encoded, request.protocol.value, request.model, request.endpoint, time.time(), owner, client)
 
 
 def _enqueue(pipe: Any, request: Request, encoded: bytes) -> None:
@@ -131,20 +141,20 @@ async def admit(redis: Redis, request_ids: list[str], limit: int, *, request_tim
 
 # Admission and submission in one call (a single server: the keys of every part and the global ones may
 # be named together). KEYS: inflight, index, request stream, then per part ir, meta, deltas. ARGV: limit,
-# stale before, now, owner, then per part id, encoded IR, protocol, model, endpoint. As `admit`, then for
+# stale before, now, owner, client, then per part id, encoded IR, protocol, model, endpoint. As `admit`, then for
 # each part what `_queue` does, in its order; -1 (nothing written) when the queue is full.
 _ADMIT_AND_SUBMIT = f"""
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[2])
 local parts = (#KEYS - 3) / 3
 if redis.call('ZCARD', KEYS[1]) + parts > tonumber(ARGV[1]) then return -1 end
-local now, owner = ARGV[3], ARGV[4]
+local now, owner, client = ARGV[3], ARGV[4], ARGV[5]
 for p = 0, parts - 1 do
   local ir, meta, deltas = KEYS[4 + p * 3], KEYS[5 + p * 3], KEYS[6 + p * 3]
-  local a = 5 + p * 5
+  local a = 6 + p * 5
   local id, encoded = ARGV[a], ARGV[a + 1]
   redis.call('ZADD', KEYS[1], now, id)
   redis.call('SET', ir, encoded)
-  redis.call('HSET', meta, '{Meta.STATUS}', '{QUEUED}', '{Meta.PROTOCOL}', ARGV[a + 2], '{Meta.MODEL}', ARGV[a + 3], '{Meta.ENDPOINT}', ARGV[a + 4], '{Meta.RECEIVED_AT}', now, '{Meta.OWNER}', owner)
+  redis.call('HSET', meta, '{Meta.STATUS}', '{QUEUED}', '{Meta.PROTOCOL}', ARGV[a + 2], '{Meta.MODEL}', ARGV[a + 3], '{Meta.ENDPOINT}', ARGV[a + 4], '{Meta.RECEIVED_AT}', now, '{Meta.OWNER}', owner, '{Meta.CLIENT}', client)
   if redis.call('EXISTS', deltas) == 0 then
     redis.call('XADD', deltas, '0-1', '{_MARKER_FIELD}', '{_MARKER_VALUE}')
     redis.call('XTRIM', deltas, 'MAXLEN', 0)
@@ -157,20 +167,21 @@ return redis.call('ZCARD', KEYS[1])
 
 
 async def admit_and_submit(
-    redis: Redis, parts: list[Request], limit: int, *, request_timeout: float, owner: str = ANONYMOUS, encoded: list[bytes] | None = None
+    redis: Redis, parts: list[Request], limit: int, *, request_timeout: float, origin: Origin | None = None, encoded: list[bytes] | None = None
 ) -> bool:
     """`admit` every part and `submit` each, or nothing when the queue is full (False). One round trip and
     one atomic script on a single server (the API node's per-request Redis work: before, a script and a
     six-command pipeline); on a cluster, whose keys hash apart, `admit` then `submit_all`. `encoded`: the
     parts' records when the caller has them already."""
+    owner, client = (origin.owner, origin.client) if origin else (ANONYMOUS, "")
     if is_cluster(redis):
         if not await admit(redis, [p.id for p in parts], limit, request_timeout=request_timeout):
             return False
-        await submit_all(redis, parts, owner=owner)
+        await submit_all(redis, parts, owner=owner, client=client)
         return True
     now = time.time()
     script_keys = [keys.INFLIGHT, keys.REQUEST_INDEX, keys.REQUEST_STREAM]
-    args: list[Any] = [limit, now - request_timeout - LIFETIME_MARGIN_S, now, owner]
+    args: list[Any] = [limit, now - request_timeout - LIFETIME_MARGIN_S, now, owner, client]
     for part, record in zip(parts, encoded or [encode_request(p) for p in parts], strict=True):
         script_keys += (keys.request_ir(part.id), keys.request_meta(part.id), keys.delta_stream(part.id))
         args += (part.id, record, part.protocol.value, part.model, part.endpoint)
@@ -183,13 +194,13 @@ async def release(redis: Redis, request_ids: list[str]) -> None:
         await redis.zrem(keys.INFLIGHT, *request_ids)
 
 
-async def submit_all(redis: Redis, parts: list[Request], *, owner: str = ANONYMOUS) -> None:
+async def submit_all(redis: Redis, parts: list[Request], *, owner: str = ANONYMOUS, client: str = "") -> None:
     """`submit` each admitted part; on a Redis error give back the places of the parts not tried (best
     effort: what a failing Redis keeps, the sweep finds), and raise. The part that failed keeps its place:
     it may have been queued (a lost reply), and if not, the sweep removes it (its request never appears)."""
     for i, part in enumerate(parts):
         try:
-            await submit(redis, part, owner=owner)
+            await submit(redis, part, owner=owner, client=client)
         except RedisError:
             with contextlib.suppress(RedisError):
                 await release(redis, [p.id for p in parts[i + 1 :]])

@@ -249,6 +249,7 @@ class Meta:
     MODEL = "model"
     ENDPOINT = "endpoint"
     RECEIVED_AT = "received_at"
+    CLIENT = "client"  # who sent it, for `met top`: the address and the user agent's first product token (ingest.app), "batch" for a batch line
     OWNER = "owner"  # the caller id (an API key's digest) that made it: ingest.auth.owns scopes resume and stored responses
     ATTEMPT = "attempt"  # the fencing token: bumped by each claim
     WORKER = "worker"

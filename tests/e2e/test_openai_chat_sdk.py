@@ -179,6 +179,9 @@ def test_the_request_and_its_deltas_are_in_redis_under_the_documented_keys(live_
     generated = [t for e in events for t in e.token_ids]  # type: ignore[union-attr]
     assert len(generated) == reply.usage.completion_tokens  # type: ignore[union-attr]
     assert r.hget(keys.request_meta(rid), "status") == b"finished"
+    # The client `met top` shows: the peer address and the SDK's own product token from its User-Agent.
+    assert r.hget(keys.request_meta(rid), "client") == b"127.0.0.1 OpenAI/Python"
+    assert events[0].cached_tokens is not None  # type: ignore[union-attr]  # the first delta carries the prefix-cache count
     for key in (keys.delta_stream(rid), keys.request_meta(rid)):
         assert 0 < r.ttl(key) <= 86400
     pending = r.xpending(keys.REQUEST_STREAM, keys.WORKER_GROUP)

@@ -80,8 +80,10 @@ def test_a_budget_of_16_ends_the_span_at_16_reasoning_tokens_then_the_answer_fol
     assert finish.usage.reasoning_tokens == 16
     assert sum(len(d.token_ids) for d in reasoning if d.text) <= 16 + 1  # the span's tokens (the first rides with its text)
     assert "".join(d.text for d in deltas if isinstance(d, Content)) == ANSWER
-    first_answer = next(i for i, d in enumerate(deltas) if isinstance(d, Content))
-    assert all(isinstance(d, Reasoning) for d in deltas[:first_answer])  # reasoning first, then the answer
+    # The prefix-cache count opens the stream on a text-less Content (shared.deltas.Content), then reasoning, then the answer.
+    assert deltas[0] == Content(text="", attempt=1, cached_tokens=0)
+    first_answer = next(i for i, d in enumerate(deltas) if isinstance(d, Content) and d.text)
+    assert all(isinstance(d, Reasoning) for d in deltas[1:first_answer])
     sealed = [d.sealed for d in reasoning if d.sealed]
     assert len(sealed) == 1 and engine.sealer is not None
     assert engine.sealer.open(sealed[0]) == "".join(d.text for d in reasoning)
@@ -93,7 +95,7 @@ def test_without_a_budget_the_noise_model_reasons_until_max_tokens(model: Any, r
     finish = out[-1].delta
     assert isinstance(finish, Finish) and finish.reason is FinishReason.LENGTH
     assert finish.usage.reasoning_tokens == 40
-    assert not any(isinstance(e.delta, Content) for e in out)
+    assert not any(isinstance(e.delta, Content) and (e.delta.text or e.delta.token_ids) for e in out)
 
 
 def test_effort_maps_to_a_budget_capped_by_max_thinking_tokens(model: Any, renderer: PromptRenderer) -> None:
