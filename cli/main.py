@@ -159,6 +159,11 @@ TokenizeThreads = Annotated[int | None, typer.Option(help="Threads that render a
 TokenizeQueue = Annotated[int | None, typer.Option(help="Bodies over 1 MiB being tokenized (one at a time) or waiting; more: 429 / 529.")]
 MaxFileMb = Annotated[int | None, typer.Option(help="Largest file POST /v1/files accepts, MB (batch input files).")]
 BatchMaxInflight = Annotated[int | None, typer.Option(help="Lines of one batch queued or running at once; the rest wait, so interactive latency holds.")]
+BatchMaxQueue = Annotated[
+    int | None,
+    typer.Option(help="Batch lines queued or running at once, every batch together: the batch pool, which interactive admission (--max-queue) never counts."),
+]
+BatchMaxQueuePerKey = Annotated[int | None, typer.Option(help="Of the batch pool, the most one API key's batches may hold.")]
 BatchPriority = Annotated[int | None, typer.Option(help="Scheduler priority of batch lines (interactive requests: 0; lower runs sooner).")]
 GenerationConfig = Annotated[
     str | None,
@@ -312,6 +317,8 @@ def serve(
     tokenize_queue: TokenizeQueue = None,
     max_file_mb: MaxFileMb = None,
     batch_max_inflight: BatchMaxInflight = None,
+    batch_max_queue: BatchMaxQueue = None,
+    batch_max_queue_per_key: BatchMaxQueuePerKey = None,
     batch_priority: BatchPriority = None,
     generation_config: GenerationConfig = None,
     default_temperature: DefaultTemperature = None,
@@ -383,6 +390,8 @@ def api(
     tokenize_queue: TokenizeQueue = None,
     max_file_mb: MaxFileMb = None,
     batch_max_inflight: BatchMaxInflight = None,
+    batch_max_queue: BatchMaxQueue = None,
+    batch_max_queue_per_key: BatchMaxQueuePerKey = None,
     batch_priority: BatchPriority = None,
     log_format: LogFormat = None,
     upstream: Annotated[str | None, typer.Option(help="The workers are gateways to this upstream: refuse what its chat API cannot express.")] = None,

@@ -61,7 +61,7 @@ class WorkerView:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QueueView:
-    inflight: int  # accepted and unfinished, cluster-wide (met:inflight:ids, its size)
+    inflight: int  # accepted and unfinished, cluster-wide (met:inflight:ids and the batch pool, met:inflight:batch)
     pending: int  # delivered to a worker, not yet acknowledged
     undelivered: int  # on the stream, not yet read by any worker
     undelivered_estimated: bool  # Redis < 7 has no `lag`: inflight - pending instead
@@ -183,13 +183,15 @@ async def take_snapshot(redis: Redis, *, heartbeat_ttl: float) -> Snapshot:
         pipe.time()
         pipe.zrange(keys.WORKERS_ALIVE, 0, -1, withscores=True)
         pipe.zcard(keys.INFLIGHT)
+        pipe.zcard(keys.INFLIGHT_BATCH)
         pipe.xinfo_groups(keys.REQUEST_STREAM)
         pipe.xpending(keys.REQUEST_STREAM, keys.WORKER_GROUP)
         pipe.zrevrange(keys.REQUEST_INDEX, 0, INDEX_WINDOW - 1)
         pipe.xrevrange(keys.FINISHED, count=FINISHED_WINDOW)
         pipe.xrevrange(keys.DEAD_LETTER, count=SHOWN_PROBLEMS)
         pipe.xlen(keys.DEAD_LETTER)
-        clock, alive, inflight, groups, pending, recent, finished, dead, dead_total = _ok(await pipe.execute(raise_on_error=False))
+        clock, alive, interactive, batch_lines, groups, pending, recent, finished, dead, dead_total = _ok(await pipe.execute(raise_on_error=False))
+    inflight = int(interactive or 0) + int(batch_lines or 0)  # every request not finished, batch lines (their own pool) included
     now = float(clock[0]) + float(clock[1]) / 1e6
     alive = sorted(alive or [], key=lambda pair: _s(pair[0]))
     recent_ids = [_s(r) for r in recent or []]

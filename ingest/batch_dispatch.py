@@ -76,6 +76,7 @@ class _Job:
     inflight: dict[str, str] = field(default_factory=dict)  # request id → custom_id
     requests: dict[str, Request] = field(default_factory=dict)  # request id → IR (for the result body)
     cancel_sent: bool = False
+    owner: str = ""  # the caller id that made the batch (its lines count against that key's share)
 
 
 class BatchDispatcher:
@@ -124,6 +125,7 @@ class BatchDispatcher:
             await self._end(batch_id)
             return
         job = self.jobs.get(batch_id) or await self._load(batch_id)
+        job.owner = doc["owner"]
         self.jobs[batch_id] = job
         if doc["status"] == "validating":
             doc = await batch_jobs.update(self.redis, self.settings, batch_id, status="in_progress", in_progress_at=int(time.time()))
@@ -178,7 +180,15 @@ class BatchDispatcher:
             await batch_jobs.record_result(self.redis, doc["id"], cid, outcome=outcome, result=result, tokens=tokens)
 
     async def _queue_more(self, doc: dict[str, Any], job: _Job) -> None:
-        while job.todo and len(job.inflight) < self.settings.batch_max_inflight:
+        """Queue lines while the batch, its key and the batch pool have room (`--batch-max-inflight`,
+        `--batch-max-queue-per-key`, `--batch-max-queue`). The pool is a set of its own (keys.INFLIGHT_BATCH):
+        interactive admission never counts batch lines, so no batch takes a place an interactive request
+        needs; workers run interactive requests first (`--batch-priority`). The key's count is what this
+        node leads (each batch is led by one node); the pool's is read from Redis."""
+        room = self.settings.batch_max_queue - int(await self.redis.zcard(keys.INFLIGHT_BATCH))
+        owner = doc["owner"]
+        key_room = self.settings.batch_max_queue_per_key - sum(len(j.inflight) for j in self.jobs.values() if j.owner == owner)
+        while job.todo and len(job.inflight) < self.settings.batch_max_inflight and min(room, key_room) > 0:
             cid = job.todo.popleft()
             line = job.lines[cid]
             rid = batch_jobs.line_request_id(doc["id"], cid)
@@ -187,9 +197,10 @@ class BatchDispatcher:
             except ApiError as err:
                 await batch_jobs.record_result(self.redis, doc["id"], cid, outcome="errored", result=self.runner.refused(doc, line, rid, err))
                 continue
-            await submit_batch_line(self.redis, request, owner=doc["owner"])
+            await submit_batch_line(self.redis, request, owner=owner)
             job.inflight[rid] = cid
             job.requests[rid] = request
+            room, key_room = room - 1, key_room - 1
 
     async def _stop(self, doc: dict[str, Any], job: _Job, outcome: str) -> None:
         """Cancel what runs (its result comes through `_collect`); every line not started gets `outcome`."""

@@ -96,8 +96,10 @@ async def read_cluster(redis: Redis, *, heartbeat_ttl: float) -> ClusterFigures:
             for worker in alive:
                 pipe.hmget(keys.worker_info(_text(worker)), [*_WORKER_FIELDS, *_GATEWAY_FIELDS])
             pipe.zcard(keys.INFLIGHT)
+            pipe.zcard(keys.INFLIGHT_BATCH)
             pipe.xlen(keys.DEAD_LETTER)
-            *hashes, inflight, dead = await pipe.execute()
+            *hashes, interactive, batch_lines, dead = await pipe.execute()
+            inflight = interactive + batch_lines  # every request not finished, batch lines included
     except RedisError as exc:
         log.warning("metrics: redis unavailable (%s)", type(exc).__name__)
         return ClusterFigures()

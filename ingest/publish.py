@@ -62,13 +62,13 @@ async def submit_batch_line(redis: Redis, request: Request, *, owner: str = ANON
         encoded = encode_request(request)
         await _record(redis, request, b"", owner, client)
         async with redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(keys.INFLIGHT, {request.id: time.time()})
+            pipe.zadd(keys.INFLIGHT_BATCH, {request.id: time.time()})
             _enqueue(pipe, request, encoded)
             await pipe.execute()
         await redis.set(keys.request_ir(request.id), encoded)
         return
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.zadd(keys.INFLIGHT, {request.id: time.time()})
+        pipe.zadd(keys.INFLIGHT_BATCH, {request.id: time.time()})
         _queue(pipe, request, owner, client)
         await pipe.execute()
 

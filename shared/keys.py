@@ -26,6 +26,11 @@ WORKER_GROUP = f"{PREFIX}:workers"
 # workers.loop (ZREM with each terminal event), workers.leases.sweep_inflight. Readers: ingest admission
 # (ZCARD), the TUI, /metrics.
 INFLIGHT = f"{PREFIX}:inflight:ids"
+# Batch lines queued or running: the batch pool, a set of its own (the same shape, writers and healing as
+# INFLIGHT), so batch work never takes a place interactive admission counts. Writer: ingest.publish
+# (submit_batch_line). Readers: the batch dispatcher (--batch-max-queue), the TUI, /metrics.
+INFLIGHT_BATCH = f"{PREFIX}:inflight:batch"
+IN_FLIGHT_SETS = (INFLIGHT, INFLIGHT_BATCH)
 
 # Every accepted request, by time received (score: unix time). Writer: ingest.publish. Pruner: workers.loop
 # (entries older than the dump TTL). Readers: `met dump list`, the TUI.

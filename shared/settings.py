@@ -87,6 +87,8 @@ class Settings:
     max_file_mb: int = 200  # largest file POST /v1/files accepts
     batch_max_lines: int = 50_000  # most requests one batch may hold
     batch_max_inflight: int = 8  # lines of one batch queued or running at once (8: interactive TTFT p50 within 1.5x of idle, bench/batch_latency.py)
+    batch_max_queue: int = 64  # batch lines queued or running at once, every batch together: the batch pool (met:inflight:batch), never counted by interactive admission
+    batch_max_queue_per_key: int = 32  # of those, one key's (so one key's batches never hold the whole pool)
     batch_priority: int = 10  # scheduler priority of batch lines (interactive requests default to 0: lower runs sooner)
     batch_retention: int = 29 * 86400  # seconds files, batches and their results are kept (Anthropic keeps results 29 days)
     # Gateway workers (workers/gateway.py): serve through an upstream OpenAI-compatible server instead of a model.

@@ -200,11 +200,18 @@ async def begin_attempt(redis: Redis, request_id: str, *, worker: str, deliverie
 
 
 async def sweep_inflight(redis: Redis, *, grace_s: float) -> list[str]:
-    """Heal the in-flight set (keys.INFLIGHT): remove the ids whose request finished (its terminal event
-    was written but the ZREM after it was lost) or never reached Redis (admitted more than `grace_s` ago,
-    no meta hash: a submit or release that failed halfway). O(in flight): one ZRANGE, one pipelined HGET
-    each. Returns the ids removed."""
-    members: Any = await redis.zrange(keys.INFLIGHT, 0, -1, withscores=True)
+    """Heal the in-flight sets (keys.INFLIGHT and the batch pool's): remove the ids whose request finished
+    (its terminal event was written but the ZREM after it was lost) or never reached Redis (admitted more
+    than `grace_s` ago, no meta hash: a submit or release that failed halfway). O(in flight): one ZRANGE,
+    one pipelined HGET each. Returns the ids removed."""
+    gone: list[str] = []
+    for in_flight in keys.IN_FLIGHT_SETS:
+        gone += await _sweep(redis, in_flight, grace_s)
+    return gone
+
+
+async def _sweep(redis: Redis, in_flight: str, grace_s: float) -> list[str]:
+    members: Any = await redis.zrange(in_flight, 0, -1, withscores=True)
     if not members:
         return []
     async with redis.pipeline(transaction=False) as pipe:
@@ -214,7 +221,7 @@ async def sweep_inflight(redis: Redis, *, grace_s: float) -> list[str]:
     cutoff = time.time() - grace_s
     gone = [_text(rid) for (rid, admitted), status in zip(members, statuses, strict=True) if status == FINISHED.encode() or (status is None and admitted < cutoff)]
     if gone:
-        await redis.zrem(keys.INFLIGHT, *gone)
+        await redis.zrem(in_flight, *gone)
     return gone
 
 

@@ -504,7 +504,8 @@ class ClaimLoop(Generic[E]):
         if ended:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, *(held.entry_id for _, _, held in ended))
-                pipe.zrem(keys.INFLIGHT, *(rid for rid, _, _ in ended))
+                for in_flight in keys.IN_FLIGHT_SETS:  # interactive or a batch line: ZREM of an absent id is harmless
+                    pipe.zrem(in_flight, *(rid for rid, _, _ in ended))
                 for rid, outcome, _ in ended:
                     pipe.xadd(keys.FINISHED, finished_entry(rid, outcome), maxlen=100_000, approximate=True)
                 await pipe.execute()
@@ -530,7 +531,8 @@ class ClaimLoop(Generic[E]):
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, held.entry_id)
                 if outcome is not None:
-                    pipe.zrem(keys.INFLIGHT, rid)
+                    for in_flight in keys.IN_FLIGHT_SETS:
+                        pipe.zrem(in_flight, rid)
                     pipe.xadd(keys.FINISHED, finished_entry(rid, outcome), maxlen=100_000, approximate=True)
                 await pipe.execute()
         self.held.pop(rid, None)
@@ -650,12 +652,8 @@ class WorkerLoop(ClaimLoop[Engine]):
             return self.engine.step(), self.engine.figures()
 
     def capacity(self) -> int:
-        """Room under `max_running`, while the block pool has a free block (the blocks in use, not
-        `max_model_len`, bound how many run)."""
-        sched = self.engine.scheduler
-        if not sched.pool.num_free:
-            return 0
-        return max(0, sched.max_running - len(sched.running) - len(sched.waiting))
+        """The scheduler's claim room (workers.scheduler.Scheduler.claim_room)."""
+        return self.engine.scheduler.claim_room()
 
     def start(self, request: Request, *, attempt: int, recorded: list[StreamDelta]) -> list[Emission]:
         emitted = tuple(t for d in recorded for t in getattr(d, "token_ids", ()))

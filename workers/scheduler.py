@@ -35,6 +35,8 @@ from typing import Any
 from shared.ir import Request
 from workers.blocks import ROOT, BlockPool, chain_hash
 
+INTERACTIVE_PRIORITY = 0  # a request's priority unless it says (shared.ir.Request); batch lines run at --batch-priority (10)
+
 _arrivals = itertools.count()
 
 
@@ -149,6 +151,19 @@ class Scheduler:
     def room(self) -> bool:
         """Whether one more sequence could start now."""
         return len(self.running) < self.max_running and self.pool.num_free > 0
+
+    def claim_room(self) -> int:
+        """Requests a worker may claim now: room under `max_running` while the pool has a free block (the
+        blocks in use, not `max_model_len`, bound how many run). Past it, one more per held sequence of
+        lower priority than an interactive request (a batch line), up to a quarter of `max_running`: a
+        request claimed then either outranks it (and preempts it) or waits as it would have in the stream.
+        So a worker full of batch lines still takes an interactive request at once; it never holds more
+        than a quarter over its width in waiting."""
+        held = len(self.running) + len(self.waiting)
+        yielding = sum(1 for s in (*self.running, *self.waiting) if s.request.priority > INTERACTIVE_PRIORITY)
+        if not self.pool.num_free and not yielding:
+            return 0
+        return max(0, self.max_running + min(yielding, max(1, self.max_running // 4)) - held)
 
     def schedule(self) -> StepPlan:
         self.waiting.sort(key=lambda s: s.order)

@@ -282,3 +282,25 @@ def test_a_batch_past_its_window_expires_keeping_what_finished(oai: openai.OpenA
     kept, expired = file_lines(oai, done.output_file_id), file_lines(oai, done.error_file_id)
     assert len(kept) == done.request_counts.completed >= 1 and len(kept) + len(expired) == 80
     assert {r["error"]["code"] for r in expired} == {"batch_expired"} and done.expired_at
+
+
+def test_one_keys_forty_batches_never_take_another_keys_place_and_stay_within_the_batch_pool(oai: openai.OpenAI, server: LiveServer) -> None:
+    """Batch lines have a pool of their own (--batch-max-queue 64, 32 a key): key A's 40 batches of 8 lines
+    (320 lines, past the interactive queue limit of 256) hold at most 32 places of it, none of the
+    interactive queue, and key B's chat request is admitted at once and answered while they run."""
+    from shared import keys
+
+    r = server.redis()
+    batches = [submit(oai, [line(f"s{b}-{i}", chat_body(i, max_tokens=40)) for i in range(8)]).id for b in range(40)]
+    wait_until("every batch to start", lambda: all(oai.batches.retrieve(b).status == "in_progress" for b in batches))
+    wait_until("the dispatcher to have queued what it may", lambda: r.zcard(keys.INFLIGHT) + r.zcard(keys.INFLIGHT_BATCH) >= 32)
+    queued = r.zcard(keys.INFLIGHT_BATCH)
+    assert 0 < queued <= 32 and r.zcard(keys.INFLIGHT) == 0  # one key's share of the pool; no interactive place taken
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=OTHER_KEY, max_retries=0, timeout=120) as other:
+        reply = other.chat.completions.create(model="m", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8, temperature=0)  # admitted: no 429
+    assert reply.choices[0].message.content and reply.choices[0].finish_reason in ("stop", "length")
+    assert sum(oai.batches.retrieve(b).request_counts.completed for b in batches) < 320  # the batches were still running beside it
+    assert r.zcard(keys.INFLIGHT_BATCH) <= 32
+    for b in batches:
+        oai.batches.cancel(b)
+    wait_until("every batch to end", lambda: all(oai.batches.retrieve(b).status == "cancelled" for b in batches))

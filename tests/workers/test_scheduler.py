@@ -282,3 +282,23 @@ def test_a_step_that_prefills_a_higher_priority_prompt_pauses_lower_priority_dec
     assert {s.key for s in runner.plans[-1].decode} == {"batch-1", "batch-2", "chat-0", "chat-new"}
     out += run_until_idle(eng)
     assert all(text_of(out, rid) == "y" * 30 for rid in ("batch-1", "batch-2", "chat-0", "chat-new"))  # only delayed
+
+
+def test_a_worker_full_of_batch_lines_still_claims_an_interactive_request_and_runs_it_first() -> None:
+    runner = ScriptedRunner(lambda seq: "a long batch answer" if seq.key.startswith("batch") else "chat")
+    eng = engine(runner, max_running=4)
+    for i in range(4):
+        eng.add(make_request(f"batch-{i}", priority=10))
+    eng.step()
+    assert eng.scheduler.claim_room() == 1  # full width, but of batch lines: room for one more (a quarter of 4)
+    eng.add(make_request("chat", priority=0))
+    assert eng.scheduler.claim_room() == 0  # never more than a quarter over its width
+    out = run_until_idle(eng)
+    assert next(e.request_id for e in out if e.terminal) == "chat"  # it preempted a batch line, ran first
+
+
+def test_a_worker_full_of_interactive_requests_claims_nothing_more() -> None:
+    eng = engine(ScriptedRunner(lambda seq: "abc"), max_running=4)
+    for i in range(4):
+        eng.add(make_request(f"chat-{i}"))
+    assert eng.scheduler.claim_room() == 0
