@@ -209,11 +209,11 @@ class Api:
         deltas: AsyncIterator[Batch | None],
         presence: Presence,
         skip: int = -1,
-        detached: bool = False,
+        attached: resume.Attached = resume.FIRST,
     ) -> Response:
         """SSE for a stream, resumable (ingest.resume): a client that leaves gets `--resume-grace-s` to
         come back before the generation is cancelled; a background one is never cancelled by leaving."""
-        abandon = _nothing if detached else resume.graceful_cancel(self.redis, request.id, self.settings.resume_grace_s)
+        abandon = _nothing if attached.detached else resume.graceful_cancel(self.redis, request.id, self.settings.resume_grace_s, attached=attached.count)
         link = ClientLink(presence=presence, on_abandon=abandon)
         encoder: StreamEncoder = surface.stream_encoder(request)
         events = sse_events(
@@ -222,12 +222,12 @@ class Api:
         return self._sse(request.id, events)
 
     def stream_choices(
-        self, http: HttpRequest, request_id: str, surface: Surface, parts: list[Request], *, skip: tuple[int, ...] | None = None
+        self, http: HttpRequest, request_id: str, surface: Surface, parts: list[Request], *, skip: tuple[int, ...] | None = None, attached: int = 0
     ) -> Response:
         """SSE for a stream of several choices (chat n > 1, completions' prompts x n), each from its
         part's delta stream (encoders.fan_in), resumable as one stream under `request_id`."""
         assert surface.choices_encoder is not None  # the parsers let several choices through only where one exists
-        abandon = resume.graceful_cancel(self.redis, request_id, self.settings.resume_grace_s, [p.id for p in parts])
+        abandon = resume.graceful_cancel(self.redis, request_id, self.settings.resume_grace_s, [p.id for p in parts], attached=attached)
         presence = self.presence(http)
         link = ClientLink(presence=presence, on_abandon=abandon)
         encoder = surface.choices_encoder(replace(parts[0], id=request_id), parts)
@@ -338,7 +338,7 @@ class Api:
             deltas = self.deltas(request, http, presence)
             if store is not None:
                 deltas = recording(deltas, partial(store, request))
-            return self.stream(request, surface, deltas=deltas, presence=presence, detached=background)
+            return self.stream(request, surface, deltas=deltas, presence=presence, attached=resume.Attached(detached=background))
         collected = await asyncio.gather(*(self.collect(http, part, presence) for part in parts))
         accs = []
         for part, deltas_of_part in zip(parts, collected, strict=True):

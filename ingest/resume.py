@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import orjson
 from blacksheep import Request as HttpRequest
@@ -89,35 +90,54 @@ async def load(redis: Redis, request_id: str, protocol: Protocol, *, caller: str
     return request
 
 
-async def attach(redis: Redis, request_id: str) -> None:
+@dataclass(frozen=True, slots=True)
+class Attached:
+    """How one connection is attached to its stream: the attachment count it started with (`attach`;
+    0 for the first connection) and whether leaving never cancels it (a background response)."""
+
+    count: int = 0
+    detached: bool = False
+
+
+FIRST = Attached()
+
+
+async def attach(redis: Redis, request_id: str) -> int:
+    """Count a client attaching to a stream (a resume); the count after it, which that connection's
+    `graceful_cancel` compares against (the first connection's is 0: nothing counted yet)."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.incr(keys.attachments(request_id))
         pipe.expire(keys.attachments(request_id), ATTACH_TTL)
-        await pipe.execute()
+        count, _ = await pipe.execute()
+    return int(count)
 
 
-def graceful_cancel(redis: Redis, request_id: str, grace_s: float, parts: Sequence[str] = ()) -> Callable[[], Awaitable[None]]:
+def graceful_cancel(redis: Redis, request_id: str, grace_s: float, parts: Sequence[str] = (), *, attached: int = 0) -> Callable[[], Awaitable[None]]:
     """The `on_abandon` of a resumable stream: cancel it (every one of its `parts`, for a stream of
-    several choices) after `grace_s` unless a client re-attached."""
+    several choices) after `grace_s` unless a client attached after this connection did. `attached` is
+    the attachment count when this connection attached (`attach`; 0 for the first), so a client that
+    re-attached before this connection's loss was even noticed (through another API node) keeps its
+    stream: the count is compared with the one this connection started with, not the one at its loss."""
     targets = tuple(parts) or (request_id,)
 
     async def cancel_all() -> None:
         for target in targets:
             await cancel(redis, target)
 
+    async def nobody_else() -> bool:
+        return int(await redis.get(keys.attachments(request_id)) or 0) <= attached
+
     async def abandon() -> None:
-        try:
-            before = await redis.get(keys.attachments(request_id))
-        except RedisError:
-            return  # Redis is away: the generation goes on (a resume, or the worker's deadline, ends it)
         if grace_s <= 0:
-            await cancel_all()
+            with contextlib.suppress(RedisError):  # Redis away: the generation goes on (a resume, or the worker's deadline, ends it)
+                if await nobody_else():
+                    await cancel_all()
             return
 
         async def later() -> None:
             await asyncio.sleep(grace_s)
             with contextlib.suppress(RedisError):
-                if await redis.get(keys.attachments(request_id)) == before:
+                if await nobody_else():
                     await cancel_all()
 
         task = asyncio.create_task(later())

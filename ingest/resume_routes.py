@@ -36,11 +36,11 @@ async def resume_stream(api: Api, http: HttpRequest, surface: Surface, request_i
     request = await resume.load(api.redis, request_id, surface.protocol, caller=caller_of(http))
     if not (request.stream or background):
         raise invalid(f"Request '{request_id}' was not streamed; nothing to resume.", "X-Request-Id", "not_a_stream")
-    await resume.attach(api.redis, request_id)
+    attached = await resume.attach(api.redis, request_id)
     presence = api.presence(http)
     deltas = tail(api.tails, request_id, deadline=api.deadline(request), presence=presence)
     detached = background or surface.background(orjson.loads(request.raw_body) if request.raw_body else {})
-    return api.stream(request, surface, deltas=deltas, skip=after, detached=detached, presence=presence)
+    return api.stream(request, surface, deltas=deltas, skip=after, presence=presence, attached=resume.Attached(attached, detached))
 
 
 async def resume_choices(api: Api, http: HttpRequest, surface: Surface, request_id: str, part_ids: list[str], last_event_id: str) -> Response:
@@ -48,8 +48,8 @@ async def resume_choices(api: Api, http: HttpRequest, surface: Surface, request_
     its first delta, from the position its entry in `Last-Event-ID` names."""
     parts = [await resume.load(api.redis, part, surface.protocol, caller=caller_of(http)) for part in part_ids]
     skip = resume.event_positions(last_event_id, len(parts) + 1, "Last-Event-ID")
-    await resume.attach(api.redis, request_id)
-    return api.stream_choices(http, request_id, surface, parts, skip=skip)
+    attached = await resume.attach(api.redis, request_id)
+    return api.stream_choices(http, request_id, surface, parts, skip=skip, attached=attached)
 
 
 class ResponseRoutes:

@@ -145,6 +145,41 @@ def test_a_stream_survives_its_api_node_being_killed_by_reconnecting_to_another_
     assert first + "".join(text_of(route, data) for _id, data in events) == reference
 
 
+def test_a_client_that_reattached_before_its_first_connection_closed_keeps_its_stream_to_the_end(env: dict[str, str], steady: Node) -> None:
+    """The resume race: the client is already reading the stream through node B (Last-Event-ID) when its
+    connection to node A closes. A's grace (0.5 s here) ends with a client attached after A's connection
+    did, so nothing is cancelled and B's stream runs to the full text (before: A compared the count at
+    its loss, saw no change, and cancelled B's stream, which ended early as if finished)."""
+    path = "/v1/chat/completions"
+    story = [{"role": "user", "content": "Write a long story about a dragon and a knight."}]
+    body = {"model": "m", "temperature": 0, "stream": True, "max_tokens": 300, "ignore_eos": True, "messages": story}  # ~10 s of generation
+    with httpx.stream("POST", steady.base + path, json=body, timeout=180) as whole:
+        reference = "".join(text_of("chat", data) for _id, data in sse(whole.iter_lines()))
+    assert len(reference) > 200
+    first_node = Node({**env, "MET_RESUME_GRACE_S": "0.5"}, Path(env["_LOGS"]) / "first-of-two.log")
+    rest: list[str] = []
+    try:
+        with httpx.stream("POST", first_node.base + path, json=body, timeout=180) as first_connection:
+            rid, first, last_id = first_connection.headers["x-request-id"], "", None
+            lines = first_connection.iter_lines()
+            for event_id, data in sse(lines):
+                first += text_of("chat", data)
+                last_id = event_id
+                if len(first) >= 8:
+                    break
+            headers = {"X-Request-Id": rid, "Last-Event-ID": str(last_id)}
+            resumed = httpx.stream("POST", steady.base + path, json=body, headers=headers, timeout=180)
+            second = resumed.__enter__()
+            events = sse(second.iter_lines())
+            rest.append(text_of("chat", next(events)[1]))  # attached through node B ...
+        # ... and only now the first connection closes: node A notices, waits its grace, cancels nothing.
+        rest += [text_of("chat", data) for _id, data in events]
+        resumed.__exit__(None, None, None)
+    finally:
+        first_node.stop()
+    assert first + "".join(rest) == reference
+
+
 def test_a_stream_of_several_choices_resumes_on_another_node_each_choice_from_where_it_was(env: dict[str, str], steady: Node) -> None:
     """Chat n=3: the API node dies mid-stream; the client resumes on the other with the last event id
     (a position per choice): each choice's text, both halves joined, equals an uninterrupted run."""
