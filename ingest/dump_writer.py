@@ -56,6 +56,9 @@ def utc_date(now: float) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(now))
 
 
+PRIVATE = 0o600  # dump files: the owner's only (os.open's mode, under the umask)
+
+
 class RotatingJsonl:
     """Appends lines to `metrale-dumps-<date>-<n>.jsonl`, moving to n+1 at the size limit and to n=1 on a
     new UTC date (fsyncing the file it leaves). On start it continues today's newest file."""
@@ -71,8 +74,9 @@ class RotatingJsonl:
         return self.directory / f"metrale-dumps-{self._date}-{self._index:04d}.jsonl"
 
     def append(self, lines: list[bytes], *, now: float | None = None) -> list[Path]:
-        """Write `lines` (each ends with a newline); returns the files written to."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Write `lines` (each ends with a newline); returns the files written to. Files are created
+        readable by their owner only (prompts and outputs are users' data), in a folder likewise."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         written: list[Path] = []
         out: BinaryIO | None = None
         try:
@@ -82,7 +86,7 @@ class RotatingJsonl:
                     if out is not None:  # rotation: the file left is on disk before the next one starts
                         _sync(out)
                         out.close()
-                    out = open(path, "ab")  # noqa: SIM115  (kept open across lines, closed below)
+                    out = os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE), "ab")  # kept open across lines, closed below
                 out.write(line)
                 self._size += len(line)
                 if path not in written:

@@ -108,19 +108,33 @@ async def claim_new(redis: Redis, consumer: str, *, count: int, block_ms: int | 
 
 
 async def reclaim_idle(redis: Redis, consumer: str, *, count: int, lease_s: float) -> list[Claimed]:
-    """Take over entries idle longer than the lease. Parses both reply shapes: Redis 6.2 answers
-    [cursor, entries], 7.x answers [cursor, entries, deleted ids]."""
+    """Take over up to `count` entries idle longer than the lease, from the start of the pending list
+    (one page: `reclaim_page` goes on from where a page stopped)."""
+    claimed, _cursor = await reclaim_page(redis, consumer, count=count, lease_s=lease_s, start=START)
+    return claimed
+
+
+START = "0-0"  # XAUTOCLAIM's cursor at the start of the pending list; a page returning it has seen the end
+
+
+async def reclaim_page(redis: Redis, consumer: str, *, count: int, lease_s: float, start: str) -> tuple[list[Claimed], str]:
+    """One XAUTOCLAIM page from cursor `start`: the entries taken over (idle longer than the lease) and
+    the cursor to go on from (START once the pending list's end was reached). Redis scans at most ten
+    times `count` entries a page, so a long pending list of live work takes several pages to cross, and
+    a caller that always began at START would never reach an idle entry past the first page. Parses
+    both reply shapes: Redis 6.2 answers [cursor, entries], 7.x answers [cursor, entries, deleted ids]."""
     # Read the reply raw: redis-py's parser assumes 7.x and fails on 6.2's [id, nil] for deleted entries.
     redis.set_response_callback("XAUTOCLAIM", _raw)
     reply: Any = await redis.execute_command(
-        "XAUTOCLAIM", keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, int(lease_s * 1000), "0-0", "COUNT", count
+        "XAUTOCLAIM", keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, int(lease_s * 1000), start, "COUNT", count
     )
+    cursor = _text(reply[0]) if reply else START
     entries = reply[1] if reply else []
     claimed = [(_text(e[0]), _fields(e[1])) for e in entries if e]
     if not claimed:
-        return []
+        return [], cursor
     deliveries = await _delivery_counts(redis, [eid for eid, _ in claimed])
-    return [Claimed(eid, fields, deliveries.get(eid, 1)) for eid, fields in claimed]
+    return [Claimed(eid, fields, deliveries.get(eid, 1)) for eid, fields in claimed], cursor
 
 
 async def forget_dead_workers(redis: Redis, *, heartbeat_ttl: float, lease_s: float) -> list[str]:
@@ -166,10 +180,19 @@ async def renew(redis: Redis, consumer: str, entry_ids: list[str]) -> None:
 
 
 async def release(redis: Redis, consumer: str, entry_ids: list[str], *, lease_s: float) -> None:
-    """Hand entries back at once: mark them idle past the lease so the next XAUTOCLAIM takes them."""
-    if entry_ids:
-        idle_ms = int(lease_s * 1000) * 10
-        await redis.xclaim(keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, 0, list[Any](entry_ids), idle=idle_ms, justid=True)
+    """Hand entries back at once (a drain's hand-back): mark them idle past the lease so the next
+    XAUTOCLAIM takes them, with their delivery count one lower, so that XAUTOCLAIM's increment leaves it
+    where it was: a hand-back is not a failed delivery, and a long request carried through rolling
+    restarts is never dead-lettered for them (`--max-deliveries` counts the deliveries that died)."""
+    if not entry_ids:
+        return
+    idle_ms = int(lease_s * 1000) * 10
+    counts = await _delivery_counts(redis, entry_ids)
+    async with redis.pipeline(transaction=False) as pipe:
+        for eid in entry_ids:
+            retries = max(0, counts.get(eid, 1) - 1)
+            pipe.xclaim(keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, 0, [eid], idle=idle_ms, retrycount=retries, justid=True)
+        await pipe.execute()
 
 
 # Bump a request's attempt (the fencing token) and record the claim. KEYS: meta. ARGV: worker, now,

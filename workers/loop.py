@@ -44,7 +44,7 @@ from redis.exceptions import NoScriptError, RedisError
 from bus import cancels
 from bus.connect import is_cluster, queue_script
 from shared import keys
-from shared.codec import Meta, dead_letter_entry, deltas_of, encode_delta, finished_entry, request_id_of, request_of
+from shared.codec import CodecError, Meta, dead_letter_entry, deltas_of, encode_delta, finished_entry, request_id_of, request_of
 from shared.deltas import Error, ErrorKind, Finish, FinishReason, StreamDelta, Usage, is_terminal
 from shared.ir import Request
 from shared.settings import Settings
@@ -141,6 +141,8 @@ class ClaimLoop(Generic[E]):
         self._publishing = asyncio.Lock()
         self._cancels_from: str | None = None  # the cancel feed's last entry read (shared.keys.CANCELS)
         self._claimer: asyncio.Task[None] | None = None
+        self.reclaim_due = False  # a reclaim pass is due: it runs before the next claim of new work that has room
+        self._reclaim_cursor = leases.START
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():  # Redis may not be up yet (or be restarting): wait for it
@@ -255,7 +257,7 @@ class ClaimLoop(Generic[E]):
                 continue
             try:
                 if self._every("reclaim", self.settings.lease_s / 2):
-                    await self.reclaim()
+                    self.reclaim_due = True
                 if self.capacity():
                     await self.claim(block_ms=CLAIM_BLOCK_MS)
                 else:
@@ -301,7 +303,7 @@ class ClaimLoop(Generic[E]):
 
     async def periodic(self) -> None:
         if not self.draining and not self.claims_on_own_task and self._every("reclaim", self.settings.lease_s / 2):
-            await self.reclaim()
+            self.reclaim_due = True  # taken up by the next claim with room, before any new request
         if self._every("forget dead", self.settings.heartbeat_ttl):
             for worker in await leases.forget_dead_workers(self.redis, heartbeat_ttl=self.settings.heartbeat_ttl, lease_s=self.settings.lease_s):
                 log.info("worker %s is gone (no heartbeat, nothing pending): removed from the alive set", worker)
@@ -314,6 +316,10 @@ class ClaimLoop(Generic[E]):
             await self.redis.zremrangebyscore(keys.REQUEST_INDEX, "-inf", time.time() - self.settings.dump_ttl)
 
     async def claim(self, *, block_ms: int | None) -> None:
+        """Claim new requests up to the capacity; a due reclaim pass first, so a dead worker's requests
+        (idle past their lease) are taken before any request queued after them."""
+        if self.reclaim_due:
+            await self.reclaim()
         count = self.capacity()
         if count:
             await self.take(await leases.claim_new(self.redis, self.worker_id, count=count, block_ms=block_ms))
@@ -321,12 +327,19 @@ class ClaimLoop(Generic[E]):
             await asyncio.sleep(block_ms / 1000)
 
     async def reclaim(self) -> None:
-        count = self.capacity()
-        if count:
-            claims = await leases.reclaim_idle(self.redis, self.worker_id, count=count, lease_s=self.settings.lease_s)
+        """Take over what is idle past its lease, page after page (leases.reclaim_page) while there is
+        room; the pass is done once a page reached the pending list's end. Out of room, it stays due and
+        the next claim with room goes on from the same cursor before claiming anything new."""
+        while (count := self.capacity()) > 0:
+            claims, self._reclaim_cursor = await leases.reclaim_page(
+                self.redis, self.worker_id, count=count, lease_s=self.settings.lease_s, start=self._reclaim_cursor
+            )
             for claimed in claims:
                 log.warning("reclaimed request entry %s (delivery %d)", claimed.entry_id, claimed.deliveries)
             await self.take(claims)
+            if self._reclaim_cursor == leases.START:
+                self.reclaim_due = False
+                return
 
     async def take(self, claims: list[leases.Claimed]) -> None:
         """Start (or resume) claimed requests, each under a new attempt number. However many there are,
@@ -349,6 +362,9 @@ class ClaimLoop(Generic[E]):
         records = await self.recorded_and_flags([request.id for _, request in fresh])
         starting: list[tuple[leases.Claimed, Request, list[StreamDelta], Any]] = []
         for (claimed, request), (recorded, flag) in zip(fresh, records, strict=True):
+            if isinstance(recorded, Exception):  # what an earlier attempt wrote does not decode: set aside, as an unreadable entry
+                await self.unreadable(claimed, recorded)
+                continue
             terminal = next((d for d in recorded if is_terminal(d)), None)
             if terminal is not None:  # an earlier attempt finished it and died before its ack: finish the books only
                 outcome: Any = await self.redis.hget(keys.request_meta(request.id), Meta.OUTCOME)
@@ -398,14 +414,15 @@ class ClaimLoop(Generic[E]):
         error = Error(message="The worker could not read this request (it was set aside).", kind=ErrorKind.INTERNAL, attempt=attempt)
         await self.publish([Emission(rid, error)])
 
-    async def recorded_and_flags(self, request_ids: list[str]) -> list[tuple[list[StreamDelta], Any]]:
-        """What earlier attempts wrote, and the cancel flag, of each request: one round trip before they start."""
+    async def recorded_and_flags(self, request_ids: list[str]) -> list[tuple[list[StreamDelta] | CodecError, Any]]:
+        """What earlier attempts wrote, and the cancel flag, of each request: one round trip before they
+        start. A request whose recorded deltas do not decode gets the error instead (never the worker's end)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for rid in request_ids:
                 pipe.xrange(keys.delta_stream(rid))
                 pipe.get(keys.cancel_flag(rid))
             replies = await pipe.execute()
-        return [(deltas_of(replies[i]), replies[i + 1]) for i in range(0, len(replies), 2)]
+        return [(_decoded(replies[i]), replies[i + 1]) for i in range(0, len(replies), 2)]
 
     async def dead_letter(self, request: Request, claimed: leases.Claimed) -> Emission:
         log.error("request %s was delivered %d times; moving it to the dead letters", request.id, claimed.deliveries)
@@ -583,6 +600,13 @@ class ClaimLoop(Generic[E]):
             self.engine.discard(rid)
             self.coalesce.forget(rid)
         self.held.clear()
+
+
+def _decoded(entries: Any) -> list[StreamDelta] | CodecError:
+    try:
+        return deltas_of(entries)
+    except (ValueError, KeyError, TypeError) as exc:  # CodecError, orjson's errors, a field missing
+        return exc if isinstance(exc, CodecError) else CodecError(f"{type(exc).__name__}: {exc}")
 
 
 def torch_thread() -> ThreadPoolExecutor:

@@ -166,3 +166,9 @@ def test_a_file_left_at_rotation_is_fsynced_before_the_next_one_is_written(tmp_p
     files.append([b'{"n": 1, "pad": "x"}\n', b'{"n": 2}\n'], now=NOON)
     assert synced == ["metrale-dumps-2023-11-14-0001.jsonl"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrale-dumps-2023-11-14-0001.jsonl", "metrale-dumps-2023-11-14-0002.jsonl"]
+
+
+def test_dump_files_and_their_folder_are_readable_by_their_owner_only(tmp_path: Path) -> None:
+    folder = tmp_path / "dumps"
+    [written] = RotatingJsonl(folder).append([b'{"n": 1}\n'], now=NOON)
+    assert written.stat().st_mode & 0o077 == 0 and folder.stat().st_mode & 0o077 == 0

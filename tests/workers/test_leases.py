@@ -144,6 +144,7 @@ def test_idle_work_is_reclaimed_with_a_higher_delivery_count_unless_renewed(redi
         await leases.release(redis, "alive", [held[1].entry_id], lease_s=0.3)
         again = await leases.reclaim_idle(redis, "third", count=10, lease_s=0.3)
         assert [c.entry_id for c in again] == [held[1].entry_id]  # handed back: no need to wait for the lease
+        assert again[0].deliveries == 2  # a hand-back is not a failed delivery: the count stays where it was
 
     run(redis_server, body)
 

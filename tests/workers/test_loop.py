@@ -331,3 +331,53 @@ def test_a_model_worker_loads_steps_and_scores_prompts_on_its_one_torch_thread(r
         assert threading.get_ident() not in threads["load"]
 
     run(redis_server, body)
+
+
+def test_a_dead_workers_requests_are_reclaimed_past_a_long_list_of_live_ones_and_before_newer_work(redis_server: str) -> None:
+    """40 live entries pending under a live worker come first in the pending list; the dead worker's 2 are
+    past them, and one more request waits unclaimed. A worker with room for one takes the dead worker's
+    first (page after page of XAUTOCLAIM: one page from the start scans only ten times its count), then
+    the other, and only then the newer request."""
+
+    async def body(redis: Redis) -> None:
+        tag = time.monotonic_ns()
+        live = [make_request(f"live-{tag}-{i}") for i in range(40)]
+        dead = [make_request(f"dead-{tag}-{i}") for i in range(2)]
+        newer = make_request(f"newer-{tag}")
+        await queue(redis, *live)
+        live_entries = [c.entry_id for c in await leases.claim_new(redis, "alive", count=40, block_ms=None)]
+        await queue(redis, *dead)
+        assert len(await leases.claim_new(redis, "died", count=2, block_ms=None)) == 2
+        await queue(redis, newer)
+        await asyncio.sleep(0.4)  # past the lease (0.3 s) ...
+        await leases.renew(redis, "alive", live_entries)  # ... which the live worker renewed
+        loop = make_loop(redis, lease_s=0.3, max_running=1)
+        loop.reclaim_due = True
+        order = []
+        for _ in range(3):
+            await loop.claim(block_ms=None)
+            order += loop.engine.active_ids()
+            await until_done(loop, redis, loop.engine.active_ids())
+        assert order == [dead[0].id, dead[1].id, newer.id]
+
+    run(redis_server, body)
+
+
+def test_a_recorded_delta_that_does_not_decode_sets_its_request_aside_and_the_worker_goes_on(redis_server: str) -> None:
+    async def body(redis: Redis) -> None:
+        tag = time.monotonic_ns()
+        broken, fine = make_request(f"broken-{tag}"), make_request(f"fine-{tag}")
+        await queue(redis, broken, fine)
+        await redis.xadd(keys.delta_stream(broken.id), {"d": b"{not json"})  # what an earlier attempt wrote, damaged
+        dead_before = await redis.xlen(keys.DEAD_LETTER)
+        loop = make_loop(redis)
+        await loop.claim(block_ms=None)
+        await until_done(loop, redis, [fine.id])
+        assert text(await recorded(redis, fine.id)) == reply(fine.id)  # the other request ran
+        assert await redis.xlen(keys.DEAD_LETTER) == dead_before + 1
+        [(_id, entry)] = await redis.xrevrange(keys.DEAD_LETTER, count=1)
+        assert entry[b"id"].decode() == broken.id
+        last = decode_delta((await redis.xrevrange(keys.delta_stream(broken.id), count=1))[0][1][b"d"])
+        assert isinstance(last, Error)  # its client gets one error, not a wait
+
+    run(redis_server, body)
