@@ -19,7 +19,7 @@ from cli.dump import DataDirOption as DumpDataDir
 from cli.dump import app as dump_app
 from cli.replay import HELP as REPLAY_HELP
 from shared.redact import is_secret, redact_url
-from shared.settings import QUANTIZATIONS, Settings
+from shared.settings import CACHE_SALT_POLICIES, QUANTIZATIONS, Settings
 
 app = typer.Typer(
     help="Metrale: an LLM inference server speaking OpenAI Chat Completions, OpenAI Responses and Anthropic Messages.",
@@ -159,6 +159,13 @@ TokenizeThreads = Annotated[int | None, typer.Option(help="Threads that render a
 TokenizeQueue = Annotated[int | None, typer.Option(help="Bodies over 1 MiB being tokenized (one at a time) or waiting; more: 429 / 529.")]
 MaxFileMb = Annotated[int | None, typer.Option(help="Largest file POST /v1/files accepts, MB (batch input files).")]
 BatchMaxInflight = Annotated[int | None, typer.Option(help="Lines of one batch queued or running at once; the rest wait, so interactive latency holds.")]
+CacheSalt = Annotated[
+    str | None,
+    typer.Option(
+        help="Prefix-cache isolation: per-key (an API key's requests never reuse another key's cached blocks, so cached_tokens tells nothing "
+        "of other keys' prompts), none (shared), or auto (per-key when API keys are set). A request's own cache_salt field isolates further."
+    ),
+]
 BatchMaxQueue = Annotated[
     int | None,
     typer.Option(help="Batch lines queued or running at once, every batch together: the batch pool, which interactive admission (--max-queue) never counts."),
@@ -217,6 +224,8 @@ def _settings(**overrides: object) -> Settings:
         raise typer.BadParameter(f"{choice!r}: use auto, none or an existing generation_config.json file", param_hint="--generation-config")
     if settings.quantization not in QUANTIZATIONS:
         raise typer.BadParameter(f"{settings.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}", param_hint="--quantization")
+    if settings.cache_salt not in CACHE_SALT_POLICIES:
+        raise typer.BadParameter(f"{settings.cache_salt!r}: choose one of {', '.join(CACHE_SALT_POLICIES)}", param_hint="--cache-salt")
     if settings.upstream_flavor not in ("vllm", "openai"):
         raise typer.BadParameter(f"{settings.upstream_flavor!r}: use vllm or openai", param_hint="--upstream-flavor")
     if settings.upstream and not settings.upstream.startswith(("http://", "https://")):
@@ -318,6 +327,7 @@ def serve(
     max_file_mb: MaxFileMb = None,
     batch_max_inflight: BatchMaxInflight = None,
     batch_max_queue: BatchMaxQueue = None,
+    cache_salt: CacheSalt = None,
     batch_max_queue_per_key: BatchMaxQueuePerKey = None,
     batch_priority: BatchPriority = None,
     generation_config: GenerationConfig = None,
@@ -391,6 +401,7 @@ def api(
     max_file_mb: MaxFileMb = None,
     batch_max_inflight: BatchMaxInflight = None,
     batch_max_queue: BatchMaxQueue = None,
+    cache_salt: CacheSalt = None,
     batch_max_queue_per_key: BatchMaxQueuePerKey = None,
     batch_priority: BatchPriority = None,
     log_format: LogFormat = None,

@@ -85,6 +85,19 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
+def open_to_the_network(settings: Settings) -> str:
+    """The warning for an API that listens beyond this host with no API key (anyone who reaches the port
+    can run requests, read stored responses and batches); "" when it listens on loopback or has keys."""
+    from ingest.auth import load_keys
+
+    if load_keys(settings) or settings.host in ("127.0.0.1", "localhost", "::1"):
+        return ""
+    return (
+        f"the API listens on {settings.host}:{settings.port} with no API key: anyone who reaches this port can run requests "
+        "and read every stored response, file and batch. Set --api-key / --api-keys-file (MET_API_KEYS), or listen on 127.0.0.1."
+    )
+
+
 async def run_api(settings: Settings, before_exit: Callable[[], None] | None = None) -> None:
     """Serve the API until Ctrl-C / SIGTERM."""
     from ingest.app import build_app
@@ -94,6 +107,9 @@ async def run_api(settings: Settings, before_exit: Callable[[], None] | None = N
     name, folder = await asyncio.to_thread(model_folder, settings)
     renderer = await asyncio.to_thread(PromptRenderer.load, folder, name=name, max_model_len=settings.max_model_len)
     app = build_app(settings, renderer)
+    open_to_all = open_to_the_network(settings)
+    if open_to_all:
+        log.warning(open_to_all)
     settle_heap()  # the renderer and the app are loaded: out of the garbage collector's way (shared.event_loop)
     api = app.met_api  # type: ignore[attr-defined]
     stop_workers = before_exit

@@ -35,6 +35,7 @@ from ingest import anthropic_messages, responses_store, resume, tokenize
 from ingest.auth import CALLER, Authenticator, caller_of
 from ingest.batch_dispatch import BatchDispatcher
 from ingest.batch_routes import BatchLines, BatchRoutes
+from ingest.cache_salt import cache_salt
 from ingest.context import ContextPolicy, fit_max_tokens
 from ingest.errors import error_body, failure, status_for
 from ingest.limits import RateLimiter, check_stored_size, parse_json, read_body
@@ -312,6 +313,7 @@ class Api:
         body = parse_json(raw, self.settings.max_json_depth)
         caller = caller_of(http)
         parsed = surface.parse(body, request_id=new_id(), created=time.time())
+        parsed = replace(parsed, cache_salt=cache_salt(body, caller, self.settings.cache_salt))
         request, store = await surface.session(self.redis, self.settings, body, parsed, caller)
         prepared = await self.tokenizing.run(len(raw), partial(self.prepare_parts, surface, body, request))
         request, parts = prepared.request, prepared.parts

@@ -169,7 +169,7 @@ class BatchDispatcher:
                 continue
             entries: Any = await self.redis.xrange(keys.delta_stream(rid))
             deltas = deltas_of(entries)
-            cid = job.inflight.pop(rid)
+            cid = job.inflight[rid]  # out of `inflight` only once its result is recorded (below)
             line = job.lines[cid]
             request = job.requests.pop(rid, None) or self.runner.request(doc, line, rid)  # queued by an earlier dispatcher: the same parse
             outcome, result = self.runner.result(doc, line, request, deltas)
@@ -178,6 +178,7 @@ class BatchDispatcher:
             finish = next((d for d in deltas if isinstance(d, Finish)), None)
             tokens = (finish.usage.prompt_tokens, finish.usage.completion_tokens) if finish is not None else (len(request.prompt_token_ids), 0)
             await batch_jobs.record_result(self.redis, doc["id"], cid, outcome=outcome, result=result, tokens=tokens)
+            del job.inflight[rid]
 
     async def _queue_more(self, doc: dict[str, Any], job: _Job) -> None:
         """Queue lines while the batch, its key and the batch pool have room (`--batch-max-inflight`,
@@ -189,15 +190,17 @@ class BatchDispatcher:
         owner = doc["owner"]
         key_room = self.settings.batch_max_queue_per_key - sum(len(j.inflight) for j in self.jobs.values() if j.owner == owner)
         while job.todo and len(job.inflight) < self.settings.batch_max_inflight and min(room, key_room) > 0:
-            cid = job.todo.popleft()
+            cid = job.todo[0]  # taken off `todo` only once Redis holds it: a Redis error leaves the line to the next step
             line = job.lines[cid]
             rid = batch_jobs.line_request_id(doc["id"], cid)
             try:
                 request = self.runner.request(doc, line, rid)
             except ApiError as err:
                 await batch_jobs.record_result(self.redis, doc["id"], cid, outcome="errored", result=self.runner.refused(doc, line, rid, err))
+                job.todo.popleft()
                 continue
             await submit_batch_line(self.redis, request, owner=owner)
+            job.todo.popleft()
             job.inflight[rid] = cid
             job.requests[rid] = request
             room, key_room = room - 1, key_room - 1
@@ -209,9 +212,10 @@ class BatchDispatcher:
                 await cancel(self.redis, rid)
             job.cancel_sent = True
         while job.todo:
-            cid = job.todo.popleft()
+            cid = job.todo[0]
             rid = batch_jobs.line_request_id(doc["id"], cid)
             await batch_jobs.record_result(self.redis, doc["id"], cid, outcome=outcome, result=self.runner.unrun(doc, job.lines[cid], rid, outcome))
+            job.todo.popleft()
 
     async def _finalize(self, doc: dict[str, Any], stopping: str | None) -> None:
         now = int(time.time())

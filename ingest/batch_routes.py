@@ -22,6 +22,7 @@ from blacksheep import Request as HttpRequest
 
 from ingest import batch_jobs, files
 from ingest.batch_jobs import ANTHROPIC, OPENAI
+from ingest.cache_salt import cache_salt
 from ingest.errors import error_body, failure
 from shared.deltas import Finish, FinishReason, StreamDelta
 from shared.errors import ApiError, invalid
@@ -85,7 +86,8 @@ class BatchLines:
         expanded = surface.expand(body, parsed, self.api.renderer)  # legacy completions: one request per prompt
         if len(expanded) > 1:
             raise invalid("Several prompts are not supported in batch requests; send one line per prompt.", "prompt")
-        parsed = replace(expanded[0], stream=False, priority=self.api.settings.batch_priority)
+        salt = cache_salt(body, doc["owner"], self.api.settings.cache_salt)
+        parsed = replace(expanded[0], stream=False, priority=self.api.settings.batch_priority, cache_salt=salt)
         prepared: Request = self.api.prepare(parsed, body)
         return prepared
 

@@ -21,6 +21,7 @@ def default_data_dir(environ: Mapping[str, str]) -> str:
 
 
 QUANTIZATIONS = ("none", "int4", "auto")  # --quantization (workers.quant)
+CACHE_SALT_POLICIES = ("auto", "per-key", "none")  # --cache-salt (ingest.cache_salt)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,6 +88,7 @@ class Settings:
     max_file_mb: int = 200  # largest file POST /v1/files accepts
     batch_max_lines: int = 50_000  # most requests one batch may hold
     batch_max_inflight: int = 8  # lines of one batch queued or running at once (8: interactive TTFT p50 within 1.5x of idle, bench/batch_latency.py)
+    cache_salt: str = "auto"  # prefix-cache isolation: auto (per key when API keys are set) | per-key | none (ingest.cache_salt)
     batch_max_queue: int = 64  # batch lines queued or running at once, every batch together: the batch pool (met:inflight:batch), never counted by interactive admission
     batch_max_queue_per_key: int = 32  # of those, one key's (so one key's batches never hold the whole pool)
     batch_priority: int = 10  # scheduler priority of batch lines (interactive requests default to 0: lower runs sooner)

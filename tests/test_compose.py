@@ -19,6 +19,7 @@ def test_redis_keeps_accepted_work_and_needs_the_password_every_role_is_given() 
     services = compose()
     command = " ".join(services["redis"]["command"])
     assert "--appendonly yes" in command and "--maxmemory-policy noeviction" in command
+    assert "--maxmemory ${REDIS_MAXMEMORY:-4gb}" in command  # bounded: full refuses new writes, never an OOM kill
     assert "--requirepass ${REDIS_PASSWORD:-" in command
     assert all(p.startswith("127.0.0.1:") for p in services["redis"]["ports"])
     for role in ("api", "worker-cpu", "worker-gpu"):

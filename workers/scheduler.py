@@ -35,6 +35,13 @@ from typing import Any
 from shared.ir import Request
 from workers.blocks import ROOT, BlockPool, chain_hash
 
+
+def salted_root(salt: str) -> bytes:
+    """The key "before" a request's first block: ROOT, or one of the salt's own (ingest.cache_salt), so no
+    block of a salted request ever matches a block of another salt."""
+    return chain_hash(ROOT, (), b"cache salt\n" + salt.encode()) if salt else ROOT
+
+
 INTERACTIVE_PRIORITY = 0  # a request's priority unless it says (shared.ir.Request); batch lines run at --batch-priority (10)
 
 _arrivals = itertools.count()
@@ -237,7 +244,7 @@ class Scheduler:
         size = self.pool.block_size
         while len(seq.block_keys) < full_blocks:
             i = len(seq.block_keys)
-            parent = seq.block_keys[-1] if seq.block_keys else ROOT
+            parent = seq.block_keys[-1] if seq.block_keys else salted_root(seq.request.cache_salt)
             prompt_in_block = len(seq.prompt) - i * size  # < size: the block holds generated tokens
             salt = b"output after %d" % max(0, prompt_in_block) if self.salt_outputs and prompt_in_block < size else b""
             seq.block_keys.append(chain_hash(parent, seq.span(i * size, (i + 1) * size), salt))

@@ -304,3 +304,19 @@ def test_one_keys_forty_batches_never_take_another_keys_place_and_stay_within_th
     for b in batches:
         oai.batches.cancel(b)
     wait_until("every batch to end", lambda: all(oai.batches.retrieve(b).status == "cancelled" for b in batches))
+
+
+def test_one_keys_cached_prompt_is_not_a_cache_hit_for_another_key(oai: openai.OpenAI, server: LiveServer) -> None:
+    """With API keys, the prefix cache is salted per key (--cache-salt auto): a key's repeated prompt hits
+    the cache, the same prompt from another key does not (so cached_tokens tells nothing of others)."""
+    prompt = [{"role": "user", "content": "Describe the water cycle in detail, step by step, for a school report. " * 3}]
+    first = oai.chat.completions.create(model="m", messages=prompt, max_tokens=2, temperature=0)  # type: ignore[arg-type]
+    again = oai.chat.completions.create(model="m", messages=prompt, max_tokens=2, temperature=0)  # type: ignore[arg-type]
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=OTHER_KEY, max_retries=0, timeout=120) as other:
+        theirs = other.chat.completions.create(model="m", messages=prompt, max_tokens=2, temperature=0)  # type: ignore[arg-type]
+        salted = other.chat.completions.create(model="m", messages=prompt, max_tokens=2, temperature=0, extra_body={"cache_salt": "tenant-9"})  # type: ignore[arg-type]
+        with pytest.raises(openai.BadRequestError) as refused:
+            other.chat.completions.create(model="m", messages=prompt, max_tokens=2, extra_body={"cache_salt": 7})  # type: ignore[arg-type]
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (first, again, theirs, salted)]  # type: ignore[union-attr]
+    assert cached[1] >= 32 and cached[2] == 0 and cached[3] == 0, cached
+    assert refused.value.body["param"] == "cache_salt"  # type: ignore[index]

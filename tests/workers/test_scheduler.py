@@ -302,3 +302,20 @@ def test_a_worker_full_of_interactive_requests_claims_nothing_more() -> None:
     for i in range(4):
         eng.add(make_request(f"chat-{i}"))
     assert eng.scheduler.claim_room() == 0
+
+
+def test_blocks_are_shared_only_between_requests_of_the_same_cache_salt() -> None:
+    eng = engine(ScriptedRunner(lambda seq: "ok"))
+    shared = list(range(50, 82))  # two full blocks
+
+    def salted(rid: str, salt: str) -> object:
+        return replace(make_request(rid), prompt_token_ids=(*shared, 7, 8), cache_salt=salt)
+
+    eng.add(salted("key-a", "key:a"))
+    out = run_until_idle(eng)
+    eng.add(salted("key-b", "key:b"))
+    eng.add(salted("key-a-again", "key:a"))
+    eng.add(distinct("unsalted", [*shared, 7, 8]))
+    out += run_until_idle(eng)
+    usage = {rid: f.usage.cached_tokens for rid, f in finishes(out).items()}
+    assert usage == {"key-a": 0, "key-b": 0, "key-a-again": 32, "unsalted": 0}
