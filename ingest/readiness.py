@@ -2,8 +2,9 @@
 
 Ready: Redis answers and at least one live, non-draining worker can generate; a gateway worker
 (workers/gateway.py) counts only while its upstream answers its health probe, so a failing upstream
-marks its workers unready. Gateway workers are listed with their upstream and its health. 503 while
-this API node drains.
+marks its workers unready. Gateway workers are listed with their health, and with their upstream's URL
+and last error only for a caller who may see them (`detail`: no API key configured, or a valid one sent):
+/ready is public, and an upstream's address is the deployment's internals. 503 while this API node drains.
 Must not: write to Redis.
 """
 
@@ -20,7 +21,7 @@ from shared import keys
 _FIELDS = ["draining", "upstream", "upstream_healthy", "upstream_error"]
 
 
-async def readiness(redis: Redis, *, heartbeat_ttl: float, draining: bool) -> tuple[dict[str, Any], int]:
+async def readiness(redis: Redis, *, heartbeat_ttl: float, draining: bool, detail: bool = True) -> tuple[dict[str, Any], int]:
     """(body, HTTP status) of /ready."""
     try:
         await redis.ping()
@@ -34,7 +35,7 @@ async def readiness(redis: Redis, *, heartbeat_ttl: float, draining: bool) -> tu
     serving = sum(1 for flag, upstream, healthy, _ in rows if flag not in (b"1", None) and (upstream is None or healthy == b"1"))
     body: dict[str, Any] = {"redis": True, "workers": serving}
     gateways = [
-        {"worker": w.decode(), "upstream": up.decode(), "healthy": healthy == b"1", "error": (err or b"").decode()}
+        {"worker": w.decode(), "healthy": healthy == b"1"} | ({"upstream": up.decode(), "error": (err or b"").decode()} if detail else {})
         for w, (_, up, healthy, err) in zip(alive, rows, strict=True)
         if up is not None
     ]
