@@ -38,7 +38,7 @@ from ingest.batch_routes import BatchLines, BatchRoutes
 from ingest.cache_salt import cache_salt
 from ingest.context import ContextPolicy, fit_max_tokens
 from ingest.errors import error_body, failure, status_for
-from ingest.limits import RateLimiter, check_stored_size, parse_json, read_body
+from ingest.limits import Charged, RateLimiter, check_stored_size, parse_json, read_body
 from ingest.metrics import CONTENT_TYPE, Metrics
 from ingest.models import ModelNames
 from ingest.publish import Origin, admit_and_submit, cancel
@@ -159,11 +159,11 @@ class Api:
         value = "; ".join(relaxed).encode("ascii", "backslashreplace").decode()
         return {RELAXED_HEADER: value[:4000]}
 
-    async def charge(self, http: HttpRequest, parts: list[Request]) -> None:
+    async def charge(self, http: HttpRequest, parts: list[Request]) -> Charged:
         """Rate limits (ingest.limits): one request, and for each part its prompt plus the most it may generate."""
         limit = self.renderer.info.max_model_len
         tokens = sum(len(p.prompt_token_ids) + (p.sampling.max_tokens or limit - len(p.prompt_token_ids)) for p in parts)
-        await self.limiter.charge(caller_of(http), tokens=tokens)
+        return await self.limiter.charge(caller_of(http), tokens=tokens)
 
     async def publish(self, parts: list[Request], encoded: list[bytes], *, owner: str, client: str = "") -> None:
         """Admit (queue depth) and XADD every part of a request (`encoded`: their records), or refuse before anything is queued."""
@@ -318,10 +318,14 @@ class Api:
         request, store = await surface.session(self.redis, self.settings, body, parsed, caller)
         prepared = await self.tokenizing.run(len(raw), partial(self.prepare_parts, surface, body, request))
         request, parts = prepared.request, prepared.parts
-        await self.charge(http, parts)
-        await self.publish(parts, prepared.encoded, owner=caller, client=client_of(http))
+        charged = await self.charge(http, parts)
+        try:
+            await self.publish(parts, prepared.encoded, owner=caller, client=client_of(http))
+        except ApiError:  # refused (the queue is full): it costs the key nothing
+            await self.limiter.refund(caller, charged)
+            raise
         response = await self._answer(http, surface, body, request, parts, store)
-        for name, value in self.relaxation_headers(request, prepared.relaxed).items():
+        for name, value in (self.relaxation_headers(request, prepared.relaxed) | self.limiter.headers(charged)).items():
             response.add_header(name.encode(), value.encode())
         return response
 

@@ -20,7 +20,8 @@ Rate limits: a bucket holds a full period's worth (`rate_limit_rpm` requests, `r
 tokens) and refills continuously over `rate_limit_period` seconds (60: per minute). A request is
 charged at admission, before it is queued: one request, and prompt tokens + the completion tokens it
 may produce (its `max_tokens`, or what the context leaves when it names none), since what it
-will really generate is unknown then. Refused requests are charged nothing. The time is Redis' own
+will really generate is unknown then. Refused requests are charged nothing (one the queue then refuses
+is refunded). An admitted request's answer carries OpenAI's `x-ratelimit-*` headers. The time is Redis' own
 (`TIME`), so API nodes with skewed clocks share buckets correctly.
 Must not: parse protocol fields (the parsers do) or know routes.
 """
@@ -28,6 +29,7 @@ Must not: parse protocol fields (the parsers do) or know routes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -156,7 +158,8 @@ def _render(where: _Where | None) -> str:
 
 # Both buckets of one caller, all or nothing. KEYS: request bucket, token bucket.
 # ARGV: period (s), request capacity, token capacity, request cost, token cost; a capacity of 0 = unlimited.
-# Returns {1, "0"} when admitted, {0, wait_seconds} when refused, {-1, "0"} when the cost exceeds a capacity.
+# Returns {1, "0", requests left, tokens left} when admitted, {0, wait_seconds} when refused, {-1, "0"} when
+# the cost exceeds a capacity. Negative costs give back (a refund, never past the capacity).
 _CHARGE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -174,7 +177,7 @@ for i = 1, 2 do
     local rate = cap / period
     level = math.min(cap, level + math.max(0, now - ts) * rate)
     if level < cost then wait = math.max(wait, (cost - level) / rate) end
-    state[i] = level - cost
+    state[i] = math.min(cap, level - cost)
   end
 end
 if wait > 0 then return {0, tostring(wait)} end
@@ -184,8 +187,17 @@ for i = 1, 2 do
     redis.call('PEXPIRE', KEYS[i], math.ceil(period * 2000))
   end
 end
-return {1, "0"}
+return {1, "0", tostring(state[1] or -1), tostring(state[2] or -1)}
 """
+
+
+@dataclass(frozen=True, slots=True)
+class Charged:
+    """What a charge took and what the caller's buckets hold after it (-1: that bucket is unlimited)."""
+
+    tokens: int = 0
+    requests_left: float = -1
+    tokens_left: float = -1
 
 
 class RateLimiter:
@@ -202,18 +214,18 @@ class RateLimiter:
     def enabled(self) -> bool:
         return bool(self.rpm or self.tpm)
 
-    async def charge(self, caller: str, *, tokens: int) -> None:
+    async def charge(self, caller: str, *, tokens: int) -> Charged:
         """Take one request and `tokens` tokens from `caller`'s buckets, or raise a 429."""
         if not self.enabled:
-            return
+            return Charged(tokens)
         buckets = [keys.rate_limit_bucket(caller, "requests"), keys.rate_limit_bucket(caller, "tokens")]
         try:
-            status, wait = await self._script(keys=buckets, args=[self.period, self.rpm, self.tpm, 1, tokens])
+            status, wait, *left = await self._script(keys=buckets, args=[self.period, self.rpm, self.tpm, 1, tokens])
         except RedisError:
             raise ApiError("The rate limiter is unavailable; try again shortly.", status=503, kind="unavailable", code="queue_unavailable") from None
         status = int(status)
         if status == 1:
-            return
+            return Charged(tokens, float(left[0]), float(left[1]))
         if status < 0:
             raise ApiError(
                 f"This request needs {tokens} tokens, more than the rate limit of {self.tpm} tokens per {self._per()} allows.",
@@ -229,6 +241,26 @@ class RateLimiter:
             code="rate_limit_exceeded",
             retry_after=retry_after,
         )
+
+    async def refund(self, caller: str, charged: Charged) -> None:
+        """Give back what `charge` took for a request that was then refused (the queue was full): a
+        refused request costs its key nothing. Best effort: a Redis error leaves the charge."""
+        if not self.enabled:
+            return
+        buckets = [keys.rate_limit_bucket(caller, "requests"), keys.rate_limit_bucket(caller, "tokens")]
+        with contextlib.suppress(RedisError):
+            await self._script(keys=buckets, args=[self.period, self.rpm, self.tpm, -1, -charged.tokens])
+
+    def headers(self, charged: Charged) -> dict[str, str]:
+        """OpenAI's `x-ratelimit-*` headers for an admitted request (none when no limit is set): each
+        bucket's size, what is left after this request, and when it is full again."""
+        out: dict[str, str] = {}
+        for name, cap, left in (("requests", self.rpm, charged.requests_left), ("tokens", self.tpm, charged.tokens_left)):
+            if cap and left >= 0:
+                out[f"x-ratelimit-limit-{name}"] = str(cap)
+                out[f"x-ratelimit-remaining-{name}"] = str(math.floor(left))
+                out[f"x-ratelimit-reset-{name}"] = f"{(cap - left) * self.period / cap:.3f}s"
+        return out
 
     def _per(self) -> str:
         return "minute" if self.period == 60 else f"{self.period:g} s"

@@ -80,7 +80,10 @@ def assert_rate_limited(response: httpx.Response, shape: str) -> int:
 
 
 def test_requests_per_minute_trip_in_both_shapes_and_recover_after_the_refill(server: LiveServer) -> None:
-    assert admission(server, "/v1/chat/completions", CHAT, key="rate").status_code == 200
+    first = admission(server, "/v1/chat/completions", CHAT, key="rate")
+    assert first.status_code == 200
+    assert (first.headers["x-ratelimit-limit-requests"], first.headers["x-ratelimit-remaining-requests"]) == (str(RPM), str(RPM - 1))
+    assert first.headers["x-ratelimit-limit-tokens"] == str(TPM) and int(first.headers["x-ratelimit-remaining-tokens"]) < TPM
     assert admission(server, "/v1/messages", MESSAGES, key="rate").status_code == 200
     retry_after = assert_rate_limited(post(server, "/v1/chat/completions", CHAT, key="rate"), "openai")
     assert_rate_limited(admission(server, "/v1/messages", MESSAGES, key="rate"), "anthropic")

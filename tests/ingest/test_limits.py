@@ -218,6 +218,23 @@ async def test_tokens_per_period_trip_and_a_refused_request_costs_nothing(redis:
     assert 97.9 < float(levels or 0) <= 98.1  # two requests charged, not three
 
 
+async def test_a_refund_gives_back_what_a_charge_took_and_headers_say_what_is_left(redis: Redis) -> None:
+    """A request the queue refuses after its charge is refunded (ingest.app); admitted answers carry OpenAI's
+    x-ratelimit-* headers."""
+    limiter = RateLimiter(redis, Settings(rate_limit_rpm=10, rate_limit_tpm=1000, rate_limit_period=60.0))
+    caller = secrets.token_hex(4)
+    charged = await limiter.charge(caller, tokens=600)
+    headers = limiter.headers(charged)
+    assert headers["x-ratelimit-limit-tokens"] == "1000" and headers["x-ratelimit-remaining-tokens"] in ("400", "399")
+    assert headers["x-ratelimit-limit-requests"] == "10" and headers["x-ratelimit-remaining-requests"] in ("9", "8")
+    assert 35.9 < float(headers["x-ratelimit-reset-tokens"].removesuffix("s")) <= 36.1  # 600 tokens to refill at 1000 per 60 s
+    await limiter.refund(caller, charged)
+    assert await charge(limiter, caller, 1000) is None  # the whole bucket again: the refused request cost nothing
+    full = float(await redis.hget(keys.rate_limit_bucket(caller, "requests"), "tokens") or 0)
+    assert 8.9 < full <= 9.1  # one request charged (this last one), not two
+    assert RateLimiter(redis, Settings()).headers(charged) == {}  # no limits: no headers
+
+
 async def test_a_request_bigger_than_the_whole_bucket_is_refused_without_retry_after(redis: Redis) -> None:
     limiter = RateLimiter(redis, Settings(rate_limit_tpm=100))
     err = rate_error(await charge(limiter, secrets.token_hex(4), 101))
