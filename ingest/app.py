@@ -283,13 +283,17 @@ class Api:
         return json_response(card or {**self.cards()[0], "id": name, "parent": target})
 
     async def tokenize(self, http: HttpRequest) -> Response:
+        """vLLM's /tokenize; like count_tokens, one request from the caller's rate limit, no tokens."""
         raw = await self.read_raw(http)
         body = parse_json(raw, self.settings.max_json_depth)
+        await self.limiter.charge(caller_of(http), tokens=0)
         return json_response(await self.tokenizing.run(len(raw), partial(tokenize.tokenize, self.renderer, body)))
 
     async def detokenize(self, http: HttpRequest) -> Response:
+        """vLLM's /detokenize; one request from the caller's rate limit, no tokens."""
         raw = await self.read_raw(http)
         body = parse_json(raw, self.settings.max_json_depth)
+        await self.limiter.charge(caller_of(http), tokens=0)
         return json_response(await self.tokenizing.run(len(raw), partial(tokenize.detokenize, self.renderer, body)))
 
     async def count_tokens(self, http: HttpRequest) -> Response:

@@ -114,6 +114,8 @@ def test_count_tokens_takes_a_request_from_the_keys_rate_limit_the_same_bucket_g
         assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
     assert_rate_limited(post(server, "/v1/messages/count_tokens", {"model": "m", "messages": USER}, key="count"), "anthropic")
     assert_rate_limited(post(server, "/v1/chat/completions", CHAT, key="count"), "openai")  # the counts used the key's requests up
+    assert_rate_limited(post(server, "/tokenize", {"model": "m", "prompt": "hi"}, key="count"), "openai")  # metered too
+    assert_rate_limited(post(server, "/detokenize", {"model": "m", "tokens": [1]}, key="count"), "openai")
 
 
 # ---- input limits -------------------------------------------------------------------------------------
