@@ -116,13 +116,14 @@ async def run_api(settings: Settings, before_exit: Callable[[], None] | None = N
 
     def drain() -> None:
         """On SIGTERM / Ctrl-C: /ready answers 503 first; `met serve` then drains its workers (whose
-        requests end with a terminal event); `met api` alone waits for its open streams to end."""
+        requests end with a terminal event); `met api` alone waits for its open streams and the
+        non-streamed requests it is answering to end (each within the drain timeout)."""
         api.draining = True
         if stop_workers is not None:
             stop_workers()
             return
         end = time.monotonic() + settings.drain_timeout
-        while api.open_streams and time.monotonic() < end:
+        while (api.open_streams or api.open_requests) and time.monotonic() < end:
             time.sleep(0.1)
 
     config = uvicorn.Config(

@@ -94,6 +94,7 @@ class Api:
         self.started = int(time.time())
         self.draining = False  # set on shutdown: /ready turns 503 before anything stops
         self.open_streams = 0  # SSE responses in progress on this node
+        self.open_requests = 0  # route calls in progress (a non-streamed answer is one until it is written)
         self.auth = Authenticator.from_settings(settings)
         self.limiter = RateLimiter(self.redis, settings)
         self.metrics = Metrics(self.redis, heartbeat_ttl=settings.heartbeat_ttl)
@@ -414,6 +415,13 @@ def guarded(api: Api, protocol: Protocol | None, handler: Handler, *, public: bo
 
     async def run(http: HttpRequest) -> Response:
         shape = protocol or _protocol_of_path(http)
+        api.open_requests += 1  # a draining node waits for these too (cli.serve)
+        try:
+            return await answer(http, shape)
+        finally:
+            api.open_requests -= 1
+
+    async def answer(http: HttpRequest, shape: Protocol) -> Response:
         try:
             if not public:
                 caller = api.auth.authenticate(http.get_first_header(b"authorization"), http.get_first_header(b"x-api-key"))

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -259,8 +260,15 @@ def test_background_responses_poll_replay_from_starting_after_byte_for_byte_and_
 
 
 def test_met_api_alone_drains_on_sigterm_unready_first_while_its_open_streams_finish(env: dict[str, str]) -> None:
-    node = Node(env, Path(env["_LOGS"]) / "draining.log")
+    """Streams and non-streamed requests alike: a non-streamed request still generating well past
+    uvicorn's 5 s shutdown grace gets its whole answer (before: only SSE streams were waited for)."""
+    node = Node({**env, "MET_DRAIN_TIMEOUT": "300"}, Path(env["_LOGS"]) / "draining.log")  # no ceiling on a slow machine
     path, body = body_for("chat")
+    long_body = {**body, "stream": False, "max_tokens": 300, "ignore_eos": True}  # ends >5 s after the stream on a CPU
+    answered: dict[str, httpx.Response] = {}
+    waiting = threading.Thread(target=lambda: answered.setdefault("r", httpx.post(node.base + path, json=long_body, timeout=180)))
+    waiting.start()
+    time.sleep(1.0)  # it is in flight (admitted, generating) before the SIGTERM below
     with httpx.stream("POST", node.base + path, json=body, timeout=120) as stream:
         events = sse(stream.iter_lines())
         next(events)
@@ -270,4 +278,6 @@ def test_met_api_alone_drains_on_sigterm_unready_first_while_its_open_streams_fi
     assert rest and rest[-1][1] == "[DONE]"
     finish = [d for _id, d in rest if isinstance(d, dict) and d.get("choices") and d["choices"][0].get("finish_reason")]
     assert finish and finish[-1]["choices"][0]["finish_reason"] in ("stop", "length")  # finished, not cut or cancelled
+    waiting.join(180)
+    assert answered["r"].status_code == 200 and answered["r"].json()["choices"][0]["finish_reason"] == "length"
     assert node.proc.wait(60) == 0
