@@ -21,6 +21,7 @@ from blacksheep import Content, Response
 from blacksheep import Request as HttpRequest
 
 from ingest import batch_jobs, files
+from ingest.auth import ANONYMOUS
 from ingest.batch_jobs import ANTHROPIC, OPENAI
 from ingest.cache_salt import cache_salt
 from ingest.errors import error_body, failure
@@ -86,7 +87,7 @@ class BatchLines:
         expanded = surface.expand(body, parsed, self.api.renderer)  # legacy completions: one request per prompt
         if len(expanded) > 1:
             raise invalid("Several prompts are not supported in batch requests; send one line per prompt.", "prompt")
-        salt = cache_salt(body, doc["owner"], self.api.settings.cache_salt)
+        salt = cache_salt(body, doc.get("owner", ANONYMOUS), self.api.settings.cache_salt)  # a check at creation has no owner yet
         parsed = replace(expanded[0], stream=False, priority=self.api.settings.batch_priority, cache_salt=salt)
         prepared: Request = self.api.prepare(parsed, body)
         return prepared
