@@ -318,5 +318,7 @@ def test_one_keys_cached_prompt_is_not_a_cache_hit_for_another_key(oai: openai.O
         with pytest.raises(openai.BadRequestError) as refused:
             other.chat.completions.create(model="m", messages=prompt, max_tokens=2, extra_body={"cache_salt": 7})  # type: ignore[arg-type]
     cached = [r.usage.prompt_tokens_details.cached_tokens for r in (first, again, theirs, salted)]  # type: ignore[union-attr]
-    assert cached[1] >= 32 and cached[2] == 0 and cached[3] == 0, cached
+    # The other key may hit its own cached template head (its earlier requests in this module), never this
+    # key's blocks of the prompt; a fresh salt hits nothing.
+    assert cached[1] >= 32 and cached[2] < 32 and cached[2] < cached[1] and cached[3] == 0, cached
     assert refused.value.body["param"] == "cache_salt"  # type: ignore[index]
