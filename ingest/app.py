@@ -32,7 +32,7 @@ from bus.connect import connect
 from bus.tails import Tails
 from encoders.wire import ClientLink, Event, Numbered, Presence, Slotted, StreamEncoder, collect, fan_in, sse_events, sse_response, tail
 from ingest import anthropic_messages, responses_store, resume, tokenize
-from ingest.auth import CALLER, Authenticator, caller_of, presented_keys
+from ingest.auth import CALLER, Authenticator, caller_of
 from ingest.batch_dispatch import BatchDispatcher
 from ingest.batch_routes import BatchLines, BatchRoutes
 from ingest.cache_salt import cache_salt
@@ -260,7 +260,7 @@ class Api:
         return json_response({"status": "ok"})
 
     async def ready(self, http: HttpRequest) -> Response:
-        detail = not self.auth.enabled or any(self.auth.matches(k) for k in presented_keys(http.get_first_header(b"authorization"), http.get_first_header(b"x-api-key")))
+        detail = self.auth.admits(http.get_first_header(b"authorization"), http.get_first_header(b"x-api-key"))
         body, status = await readiness(self.redis, heartbeat_ttl=self.settings.heartbeat_ttl, draining=self.draining, detail=detail)
         return json_response(body, status)
 

@@ -95,6 +95,14 @@ class Authenticator:
             found |= hmac.compare_digest(presented, digest)
         return found
 
+    def admits(self, authorization: bytes | None, x_api_key: bytes | None) -> bool:
+        """Whether these headers would authenticate (open when no key is configured); never raises."""
+        try:
+            self.authenticate(authorization, x_api_key)
+        except ApiError:
+            return False
+        return True
+
     def authenticate(self, authorization: bytes | None, x_api_key: bytes | None) -> str:
         """The caller id, or an `ApiError` 401. Open (ANONYMOUS) when no key is configured."""
         if not self.enabled:
