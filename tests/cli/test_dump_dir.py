@@ -41,6 +41,10 @@ def test_finished_requests_are_appended_to_the_dump_dir_without_secrets(dumping_
     assert [r.id for r in records] == [streamed, answered]
     assert all(r.outcome in ("stop", "length") and r.meta["status"] == "finished" and r.deltas for r in records)
     (path,) = dumps.glob("*.jsonl")  # beside it only the writer's committed position (ingest.dump_writer.POSITION_FILE)
+    # The position is saved as <name>.tmp then renamed over: wait out a save in flight before listing.
+    end = time.monotonic() + 10
+    while any(p.name.endswith(".tmp") for p in dumps.iterdir()) and time.monotonic() < end:
+        time.sleep(0.05)
     assert sorted(p.name for p in dumps.iterdir()) == sorted([path.name, POSITION_FILE])
     assert path.name.startswith("metrale-dumps-") and path.name.endswith("-0001.jsonl")
     raw = path.read_bytes()
