@@ -103,7 +103,10 @@ class Api:
         self.tokenizing = Tokenizing(settings, renderer)  # prompt rendering off the event loop
         self.sealer: Sealer | None = None  # the deployment's reasoning seal (shared.seal), loaded on start
         self.context = ContextPolicy(
-            context=renderer.info.max_model_len, strict=settings.strict_max_tokens, output_cap=settings.max_output_tokens
+            context=renderer.info.max_model_len,
+            strict=settings.strict_max_tokens,
+            output_cap=settings.max_output_tokens,
+            default_max_tokens=settings.default_max_tokens,
         )
 
     json = staticmethod(json_response)

@@ -12,6 +12,9 @@ Owns: the one decision every protocol shares once the prompt is rendered, with e
   Anthropic exactly as Anthropic words it, ``input length and `max_tokens` exceed context limit: {prompt}
   + {max_tokens} > {context}, decrease input length or `max_tokens` and try again``: Claude Code parses
   the three numbers with a regex and retries with a `max_tokens` that fits.
+- A request that names no `max_tokens` gets the operator's `--default-max-tokens` (fitted as above but
+  clamped, never refused: it is not the client's number), so the rate limiter charges what the worker
+  will allow; without it, up to the context.
 - The operator's `--max-output-tokens` caps every request's `max_tokens` (also one that names none).
 Anthropic errors carry no `param` (its error shape has none, and a `param: ` prefix would break the
 clients that match these messages whole); OpenAI-style errors name the protocol's own field: chat's
@@ -37,11 +40,12 @@ FIELDS = {
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ContextPolicy:
     """The limits a request's tokens must fit: the context, whether an oversized `max_tokens` is refused
-    (`strict`) or clamped, and the operator's output cap (0 = none)."""
+    (`strict`) or clamped, the operator's output cap (0 = none) and `max_tokens` for a request naming none."""
 
     context: int
     strict: bool = False
     output_cap: int = 0
+    default_max_tokens: int | None = None
 
 
 def fit_max_tokens(protocol: Protocol, prompt_tokens: int, max_tokens: int | None, policy: ContextPolicy) -> int | None:
@@ -75,6 +79,8 @@ def fit_max_tokens(protocol: Protocol, prompt_tokens: int, max_tokens: int | Non
             limit_field,
             "context_length_exceeded",
         )
+    if max_tokens is None and policy.default_max_tokens is not None:
+        max_tokens = policy.default_max_tokens
     if max_tokens is not None:
         max_tokens = min(max_tokens, room)
     if policy.output_cap:

@@ -62,9 +62,16 @@ def from_generation_config(settings: Settings, folder_defaults: dict[str, float 
 
 def sampling_defaults(settings: Settings, folder_defaults: dict[str, float | int]) -> dict[str, float | int]:
     """Operator flags over the generation config: what `resolve()` uses where a request sets nothing."""
-    defaults = from_generation_config(settings, folder_defaults)
-    for field, name in FLAG_FIELDS.items():
-        value = getattr(settings, field)
-        if value is not None:
-            defaults[name] = value
-    return defaults
+    return from_generation_config(settings, folder_defaults) | flag_defaults(settings)
+
+
+def operator_defaults(settings: Settings) -> dict[str, float | int]:
+    """What a gateway worker fills in: the `--default-*` flags over a `--generation-config FILE`. `auto`
+    adds nothing (the model's own defaults are the upstream's, which it applies to what stays unset)."""
+    chosen = {} if settings.generation_config == "auto" else from_generation_config(settings, {})
+    return chosen | flag_defaults(settings)
+
+
+def flag_defaults(settings: Settings) -> dict[str, float | int]:
+    """The `--default-*` flags the operator set."""
+    return {name: value for field, name in FLAG_FIELDS.items() if (value := getattr(settings, field)) is not None}

@@ -168,15 +168,20 @@ FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetit
 
 def resolve(params: SamplingParams, model_defaults: dict[str, float | int]) -> SamplingParams:
     """Fill every unset sampling field: request → operator flags → generation config (both in
-    `model_defaults`) → FALLBACK."""
+    `model_defaults`) → FALLBACK. What a model worker runs (and the engine's own guarantee)."""
+    return apply_defaults(params, {**FALLBACK, **model_defaults})
+
+
+def apply_defaults(params: SamplingParams, defaults: dict[str, float | int]) -> SamplingParams:
+    """Fill the unset fields `defaults` names and leave the rest unset: what a gateway worker does with
+    the operator's layer, so that what nobody set stays the upstream's own default."""
     from dataclasses import replace
 
     filled: dict[str, Any] = {}
-    for name, fallback in FALLBACK.items():
-        if getattr(params, name) is None:
-            filled[name] = model_defaults.get(name, fallback)
-    if params.max_tokens is None and model_defaults.get("max_tokens") is not None:
-        filled["max_tokens"] = int(model_defaults["max_tokens"])
+    for name in (*FALLBACK, "max_tokens"):
+        value = defaults.get(name)
+        if getattr(params, name) is None and value is not None:
+            filled[name] = int(value) if name in ("top_k", "max_tokens") else value
     return replace(params, **filled) if filled else params
 
 

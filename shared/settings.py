@@ -318,7 +318,7 @@ class Settings:
     default_top_k: int | None = setting(None, WORKER, "top_k for requests that set none (0: off).")
     default_min_p: float | None = setting(None, WORKER, "min_p for requests that set none.")
     default_repetition_penalty: float | None = setting(None, WORKER, "repetition_penalty for requests that set none.")
-    default_max_tokens: int | None = setting(None, WORKER, "max_tokens for requests that set none (default: up to the context length).")
+    default_max_tokens: int | None = setting(None, EVERY, "max_tokens for requests that set none (default: up to the context length).")
 
 
     @classmethod

@@ -158,7 +158,7 @@ class Engine:
         return [Emission(request.id, Content(text="", attempt=attempt, prompt_logprobs=entries)), *emissions]
 
     def _admit(self, request: Request, *, attempt: int, resume: tuple[int, ...]) -> list[Emission]:
-        request = _with_resolved_sampling(request, self.info)
+        request = _with_resolved_sampling(request, self.info)  # claimed requests come resolved (WorkerLoop.with_defaults): a no-op then
         pool_tokens = self.scheduler.pool.num_tokens
         if len(request.prompt_token_ids) >= pool_tokens:
             message = f"The prompt has {len(request.prompt_token_ids)} tokens; this worker's KV cache holds at most {pool_tokens} (raise --kv-budget-mb)."

@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 import orjson
 
+from models.generation import operator_defaults
 from shared.deltas import (
     Content,
     Error,
@@ -53,7 +54,7 @@ from shared.deltas import (
     Usage,
     is_terminal,
 )
-from shared.ir import Request
+from shared.ir import Request, apply_defaults
 from shared.redact import redact_url
 from shared.settings import Settings
 from shared.upstream_chunks import UpstreamStream, upstream_error_message
@@ -352,6 +353,10 @@ class GatewayLoop(ClaimLoop[Gateway]):
     def __init__(self, redis: Any, engine: Gateway, *, settings: Settings, worker_id: str, info: dict[str, str]) -> None:
         super().__init__(redis, engine, settings=settings, worker_id=worker_id, info=info)
         self._probe: asyncio.Task[bool] | None = None
+        self.defaults = operator_defaults(settings)  # --default-* over a --generation-config FILE (models.generation)
+
+    def with_defaults(self, request: Request) -> Request:
+        return replace(request, sampling=apply_defaults(request.sampling, self.defaults))
 
     async def wait_for_room(self, timeout_s: float) -> None:
         await self.engine.wait_for_room(timeout_s)

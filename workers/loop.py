@@ -46,7 +46,7 @@ from bus.connect import is_cluster, queue_script
 from shared import keys
 from shared.codec import CodecError, Meta, dead_letter_entry, deltas_of, encode_delta, finished_entry, request_id_of, request_of
 from shared.deltas import Error, ErrorKind, Finish, FinishReason, StreamDelta, Usage, is_terminal
-from shared.ir import Request
+from shared.ir import Request, resolve
 from shared.settings import Settings
 from workers import leases
 from workers.coalesce import Coalescer
@@ -286,6 +286,12 @@ class ClaimLoop(Generic[E]):
         """Requests to claim now."""
         raise NotImplementedError
 
+    def with_defaults(self, request: Request) -> Request:
+        """The request with the sampling fields it left unset filled from the operator's defaults: once, as
+        it is claimed, for both worker kinds (WorkerLoop: every field, to the model's defaults; GatewayLoop:
+        the operator's layer only)."""
+        return request
+
     def start(self, request: Request, *, attempt: int, recorded: list[StreamDelta]) -> list[Emission]:
         """Hand a claimed request to the engine; `recorded` holds what earlier attempts wrote (no terminal)."""
         raise NotImplementedError
@@ -393,7 +399,7 @@ class ClaimLoop(Generic[E]):
         try:
             if self.faults.fails_add(request):
                 raise RuntimeError("fault injection: engine.add fails on this request")
-            return self.start(request, attempt=attempt, recorded=recorded)
+            return self.start(self.with_defaults(request), attempt=attempt, recorded=recorded)
         except Exception:  # this request alone: the others in the batch go on
             log.exception("request %s could not be added to the engine; ending it with an error", request.id)
             self.engine.discard(request.id)
@@ -678,6 +684,9 @@ class WorkerLoop(ClaimLoop[Engine]):
     def capacity(self) -> int:
         """The scheduler's claim room (workers.scheduler.Scheduler.claim_room)."""
         return self.engine.scheduler.claim_room()
+
+    def with_defaults(self, request: Request) -> Request:
+        return replace(request, sampling=resolve(request.sampling, self.engine.info.sampling_defaults))
 
     def start(self, request: Request, *, attempt: int, recorded: list[StreamDelta]) -> list[Emission]:
         emitted = tuple(t for d in recorded for t in getattr(d, "token_ids", ()))

@@ -39,6 +39,14 @@ def test_the_operator_cap_bounds_every_request_also_one_that_names_no_max_tokens
     assert fit_max_tokens(Protocol.OPENAI_CHAT, 8150, None, capped) == 42
 
 
+def test_the_operators_default_max_tokens_fills_only_a_request_that_names_none_clamped_never_refused() -> None:
+    """--default-max-tokens is known at ingest, so the queued request (and the rate-limit charge) carries it."""
+    policy = ContextPolicy(context=8192, strict=True, default_max_tokens=100)
+    assert [fit_max_tokens(Protocol.OPENAI_CHAT, 1000, n, policy) for n in (None, 10, 500)] == [100, 10, 500]
+    assert fit_max_tokens(Protocol.ANTHROPIC_MESSAGES, 8150, None, policy) == 42  # strict refuses the client's number, not ours
+    assert fit_max_tokens(Protocol.OPENAI_CHAT, 1000, None, ContextPolicy(context=8192, output_cap=64, default_max_tokens=100)) == 64
+
+
 def test_strict_refuses_on_anthropic_in_anthropics_words_which_claude_code_parses() -> None:
     err = refusal(Protocol.ANTHROPIC_MESSAGES, 12700, 32000, ContextPolicy(context=32768, strict=True))
     body = error_body(Protocol.ANTHROPIC_MESSAGES, err)

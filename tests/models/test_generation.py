@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from models.files import local_folder
-from models.generation import sampling_defaults
+from models.generation import operator_defaults, sampling_defaults
 from models.prompt import PromptRenderer
-from shared.ir import SamplingParams, resolve
+from shared.ir import SamplingParams, apply_defaults, resolve
 from shared.settings import Settings
 
 pytestmark = pytest.mark.model
@@ -54,6 +54,17 @@ def test_a_generation_config_file_and_flags_over_it(tmp_path: Path) -> None:
     assert defaults == {"temperature": 0.3, "top_p": 0.8, "top_k": 40, "max_tokens": 64}
     request_wins = resolve(SamplingParams(temperature=0.9, max_tokens=5), defaults)
     assert (request_wins.temperature, request_wins.top_p, request_wins.top_k, request_wins.max_tokens) == (0.9, 0.8, 40, 5)
+
+
+def test_a_gateway_fills_only_the_operators_layer_and_leaves_the_rest_to_the_upstream(tmp_path: Path) -> None:
+    settings = Settings(default_temperature=0.3, default_max_tokens=64)  # generation config auto: the upstream's own
+    assert operator_defaults(settings) == {"temperature": 0.3, "max_tokens": 64}
+    filled = apply_defaults(SamplingParams(top_p=0.5), operator_defaults(settings))
+    assert (filled.temperature, filled.top_p, filled.max_tokens, filled.top_k, filled.min_p) == (0.3, 0.5, 64, None, None)
+    path = tmp_path / "generation_config.json"
+    path.write_text(json.dumps({"temperature": 0.7, "top_k": 40}))
+    assert operator_defaults(Settings(generation_config=str(path), default_top_k=5)) == {"temperature": 0.7, "top_k": 5}
+    assert operator_defaults(Settings(model="smollm2")) == {}  # not the default model's shipped defaults: that is the upstream's model
 
 
 def test_a_greedy_generation_config_sets_no_sampling_defaults(tmp_path: Path) -> None:

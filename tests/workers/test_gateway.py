@@ -106,6 +106,9 @@ async def test_a_continued_request_with_no_tokens_left_finishes_at_length_withou
     await engine.aclose()
 
 
+BODIES: list[dict[str, Any]] = []  # what chunks_app was sent, in order
+
+
 async def chunks_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """An upstream stand-in over real HTTP: `max_tokens` content chunks, 2 ms apart, then a length finish."""
     if scope["type"] != "http":
@@ -116,6 +119,7 @@ async def chunks_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
+    BODIES.append(orjson.loads(body))
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
     for i in range(orjson.loads(body)["max_tokens"]):
         await asyncio.sleep(0.002)
@@ -156,6 +160,43 @@ async def test_a_gateway_worker_claims_on_a_task_of_its_own_so_a_streaming_step_
         assert isinstance(deltas[-1], Finish) and deltas[-1].reason is FinishReason.LENGTH
         calls = int((await redis.info("commandstats"))["cmdstat_xreadgroup"]["calls"])
         assert steps >= 20 and calls <= 5, f"{calls} XREADGROUP calls over {steps} steps"
+    finally:
+        loop.draining = True
+        await loop.stop_claiming()
+        await engine.aclose()
+        await redis.aclose()
+        server.should_exit = True
+        await serving
+
+
+@pytest.mark.redis
+async def test_a_claimed_request_goes_upstream_with_the_operators_defaults_for_what_it_left_unset(redis_server: str) -> None:
+    """`--default-*` on a gateway worker: filled in as the request is claimed (ClaimLoop.with_defaults); what
+    neither the request nor the operator set is not sent, so the upstream's own default stands."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(chunks_app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    serving = asyncio.create_task(server.serve())
+    redis = redis_client(redis_server)
+    engine = Gateway(Upstream(base_url=f"http://127.0.0.1:{port}/v1", model="m"))
+    settings = Settings(default_temperature=0.25, default_max_tokens=3, default_top_k=9)
+    loop = GatewayLoop(redis, engine, settings=settings, worker_id="gw-defaults", info={})
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        await redis.delete(keys.REQUEST_STREAM, keys.INFLIGHT)
+        await leases.ensure_group(redis)
+        BODIES.clear()
+        await submit(redis, replace(request("defaulted"), sampling=SamplingParams(top_p=0.5)))
+        await submit(redis, replace(request("its-own"), sampling=SamplingParams(temperature=0.9, max_tokens=2)))
+        for _ in range(2000):
+            await loop.step_once()
+            if not engine.has_work() and len(BODIES) == 2:
+                break
+        assert len(BODIES) == 2, BODIES
+        defaulted, own = sorted(BODIES, key=lambda b: b["max_tokens"], reverse=True)
+        assert (defaulted["temperature"], defaulted["max_tokens"], defaulted["top_p"], defaulted["top_k"]) == (0.25, 3, 0.5, 9)
+        assert (own["temperature"], own["max_tokens"], own["top_k"]) == (0.9, 2, 9)
+        assert "min_p" not in defaulted and "repetition_penalty" not in defaulted  # nobody set them: the upstream's
     finally:
         loop.draining = True
         await loop.stop_claiming()
