@@ -169,7 +169,7 @@ def _stop(server: Server) -> None:
 
 
 def worker_phases(server: Server) -> dict[str, float]:
-    """The workers' CPU ms per loop phase (workers.loop.Phases), summed over their heartbeats."""
+    """The workers' CPU ms per loop phase (workers.claims.Phases), summed over their heartbeats."""
     import redis
 
     totals: dict[str, float] = {}

@@ -5,7 +5,7 @@
   redis URL with `--redis-cluster` / `MET_REDIS_CLUSTER=1`: redis-py's `RedisCluster`, seeded from
   those nodes (it discovers the rest and follows MOVED / ASK on resharding and failover).
 
-Cluster rules the code keeps (audited; see the README's Redis Cluster section):
+Cluster rules the code keeps (audited; see docs/deployment.md, "Redis Cluster"):
 - every Lua script and MULTI/EXEC touches one hash slot: the per-request keys share their shard's `{req:<shard>}`, a
   caller's rate buckets `{<caller>}`, a batch's keys `{<batch id>}`, a file's `{<file id>}`;
 - a non-transactional pipeline may span slots, but redis-py sends each node's share concurrently, so
@@ -23,7 +23,7 @@ per-token traffic (the delta streams) spreads over every slot. They are not shar
 Every client retries a command once, quickly, on a connection error (`quick_retry`). redis-py's
 `from_url` retries nothing, so after a Redis restart the first command on each pooled connection (dead
 since the restart, still in the pool) failed: the API answered its first request after an outage with
-a 503. One retry reconnects it; a longer outage each role rides out itself (bus.tails, workers.loop).
+a 503. One retry reconnects it; a longer outage each role rides out itself (bus.tails, workers.claims).
 
 A single server's pool has an explicit size (`max_connections`, `--redis-max-connections`) and a
 command that finds every connection busy waits for one (redis-py's `BlockingConnectionPool`) instead of

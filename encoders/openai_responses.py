@@ -16,6 +16,9 @@ CANCELLED, which has no stream event of its own; the status says `cancelled`), o
 event then `response.failed`. Its `response.output` equals the streamed items. Arguments for a tool call
 that is no longer the open item are dropped (workers emit each call's arguments before the next call).
 Must not: do I/O, compute `output_text` (the SDK does), or expose token ids unless asked.
+
+Size (~420 lines): the Responses stream's item and event state machine, whose items (message, reasoning,
+function and custom tool calls) share one output index and sequence numbering.
 """
 
 from __future__ import annotations
@@ -184,7 +187,7 @@ class _ResponseState:
 
     def _summary(self, text: str) -> list[dict[str, Any]]:
         """Reasoning as summary text (the request set `reasoning.summary`): one `summary_text` part; no
-        summarizer runs, so the summary is the reasoning itself (README)."""
+        summarizer runs, so the summary is the reasoning itself (docs/api.md, "Reasoning")."""
         assert self._open is not None
         index, events = self._open, []
         summary = self.items[index]["summary"]

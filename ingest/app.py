@@ -6,6 +6,10 @@ loop, ingest.tokenizing) → admission checks (what it would store, rate limits,
 answer by tailing the request's delta stream (SSE or one JSON body), observed for /metrics. Every check
 happens before any SSE header; nothing invalid is XADDed. The protocols' rows are ingest/surfaces.py;
 resumed streams and the stored-response routes are ingest/resume_routes.py.
+
+Size (~550 lines): the shared steps every route takes (limits, prepare, charge, publish, answer) in one
+class, so that each check runs in the same order for every protocol; routes beyond generation live in
+ingest/resume_routes.py and ingest/batch_routes.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import zlib
 
 PREFIX = "met"
 
-# The request stream. Writer: ingest.publish (XADD, never MAXLEN). Readers: workers.loop through
+# The request stream. Writer: ingest.publish (XADD, never MAXLEN). Readers: workers.claims through
 # the consumer group WORKER_GROUP (XREADGROUP / XACK after the terminal event).
 REQUEST_STREAM = f"{PREFIX}:requests"
 WORKER_GROUP = f"{PREFIX}:workers"
@@ -23,7 +23,7 @@ WORKER_GROUP = f"{PREFIX}:workers"
 # twice is harmless, and what a lost write leaks is found and removed (workers.leases.sweep_inflight: ids
 # whose request finished, or never reached Redis; ids older than the longest a request lives go on admission).
 # Writers: ingest.publish (ZADD on admission, under a Lua check against the limit; ZREM of parts never queued),
-# workers.loop (ZREM with each terminal event), workers.leases.sweep_inflight. Readers: ingest admission
+# workers.outbox (ZREM with each terminal event), workers.leases.sweep_inflight. Readers: ingest admission
 # (ZCARD), the TUI, /metrics.
 INFLIGHT = f"{PREFIX}:inflight:ids"
 # Batch lines queued or running: the batch pool, a set of its own (the same shape, writers and healing as
@@ -32,11 +32,11 @@ INFLIGHT = f"{PREFIX}:inflight:ids"
 INFLIGHT_BATCH = f"{PREFIX}:inflight:batch"
 IN_FLIGHT_SETS = (INFLIGHT, INFLIGHT_BATCH)
 
-# Every accepted request, by time received (score: unix time). Writer: ingest.publish. Pruner: workers.loop
+# Every accepted request, by time received (score: unix time). Writer: ingest.publish. Pruner: workers.claims
 # (entries older than the dump TTL). Readers: `met dump list`, the TUI.
 REQUEST_INDEX = f"{PREFIX}:requests:index"
 
-# One entry per request that reached its terminal event (fields: id, outcome). Writer: workers.loop
+# One entry per request that reached its terminal event (fields: id, outcome). Writer: workers.outbox
 # (approximately capped: a notification feed, not accepted work). Readers: `--dump-dir` writers, the TUI.
 FINISHED = f"{PREFIX}:finished"
 
@@ -45,11 +45,11 @@ FINISHED = f"{PREFIX}:finished"
 # step, from its last entry read. Approximately capped: the flags are the record, this only tells.
 CANCELS = f"{PREFIX}:cancels"
 
-# Requests that killed their worker too often (fields: id, deliveries, reason). Writer: workers.loop.
+# Requests that killed their worker too often (fields: id, deliveries, reason). Writer: workers.claims.
 # Readers: the TUI, `met dump`, operators. Never trimmed.
 DEAD_LETTER = f"{PREFIX}:deadletter"
 
-# Live workers. Writer: workers.loop heartbeat (ZADD score = unix time). Readers: ingest /ready,
+# Live workers. Writer: workers.claims heartbeat (ZADD score = unix time). Readers: ingest /ready,
 # the TUI, /metrics. Entries older than the heartbeat TTL are dead.
 WORKERS_ALIVE = f"{PREFIX}:workers:alive"
 
@@ -62,7 +62,7 @@ SEAL_KEY = f"{PREFIX}:seal-key"
 def worker_info(worker_id: str) -> str:
     """Hash of one worker's figures (model, pid, started, active, batch peak...).
 
-    Writer: workers.loop heartbeat (HSET + EXPIRE). Readers: ingest /ready, the TUI, tests.
+    Writer: workers.claims heartbeat (HSET + EXPIRE). Readers: ingest /ready, the TUI, tests.
     """
     return f"{PREFIX}:worker:{worker_id}"
 
@@ -120,13 +120,13 @@ def delta_stream(request_id: str) -> str:
 
 def request_meta(request_id: str) -> str:
     """Hash: status, worker, attempt, timings, batch peak. Writers: ingest.publish (received),
-    workers.loop (claimed, first token, finished). Readers: dumps, the TUI, tests."""
+    workers.claims (claimed, first token, finished). Readers: dumps, the TUI, tests."""
     return f"{_tag(request_id)}:meta"
 
 
 def request_ir(request_id: str) -> str:
     """The encoded request IR (as on the request stream), kept for dumps and replay after the stream is
-    trimmed. Writer: ingest.publish. Readers: dumps, replay, workers.loop on reclaim."""
+    trimmed. Writer: ingest.publish. Readers: dumps, replay, workers.claims on reclaim."""
     return f"{_tag(request_id)}:request"
 
 
@@ -151,7 +151,7 @@ def choices(request_id: str) -> str:
 
 def cancel_flag(request_id: str) -> str:
     """Present once the request is cancelled; its value says by whom (CLIENT_CANCEL, OPERATOR_CANCEL).
-    Writer: bus.cancels (for ingest.app on a client disconnect, `met top`). Reader: workers.loop when it
+    Writer: bus.cancels (for ingest.app on a client disconnect, `met top`). Reader: workers.claims when it
     claims the request (later cancels reach it on CANCELS)."""
     return f"{_tag(request_id)}:cancel"
 

@@ -3,7 +3,7 @@
 Owns: turning sampled token ids into `StreamDelta`s (incremental detokenization, stop strings held
 back and never emitted, EOS / stop-token / max-token / deadline finishes, usage), and the figures
 the worker reports (batch sizes, token counts); a request's prompt logprobs, from the injected
-`score_prompt` (workers/prompt_logprobs.py), as its first delta. Must not: touch Redis (workers.loop does) or torch
+`score_prompt` (workers/prompt_logprobs.py), as its first delta. Must not: touch Redis (workers.claims and workers.outbox do) or torch
 (the injected runner does).
 
 Constrained requests (`models.grammar.grammar_for`) get an llguidance matcher on their `Sequence`:
@@ -12,6 +12,9 @@ token — also with the tokens an earlier attempt emitted, on resume; a preempte
 matcher, so recompute needs nothing more. A grammar that does not compile, or a token it refuses
 (a dead end), ends that request alone with one `Error` delta; once the grammar is complete the
 request finishes at once (STOP), without spending a step on the EOS the mask would force.
+
+Size (~550 lines): the one owner of a sequence's life (admit, prefill, decode, finish, cancel, resume);
+the scheduler, runner, sampler and text pipeline it drives each live in a module of their own.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the request fails with one Error; a stream that breaks after it began ends with 
 (`GET {upstream}/models`) every few seconds puts `upstream_healthy` in the heartbeat: /ready, `met top`
 and /metrics read it.
 
-`GatewayLoop` is `workers.loop.ClaimLoop` with this engine, so claims, leases, fenced writes, cancels,
+`GatewayLoop` is `workers.claims.ClaimLoop` with this engine, so claims, leases, fenced writes, cancels,
 heartbeats and drain are the model worker's own. Usage is the upstream's; where its stream carries none
 (llama-cpp-python's server ignores `include_usage`) it is estimated: the prompt as the API node rendered
 it, the output re-tokenized with the local tokenizer (`--model`), exactly max_tokens on a length finish.
@@ -22,6 +22,8 @@ shrinks by what it used, and the upstream's output is appended after it (usage c
 Otherwise (no `--upstream-continue`, or reasoning, a tool call or a refusal already written, or a
 response_format the upstream would restart), it ends with one Error. Never a duplicate either way.
 Must not: parse chunk bytes (the parser does), log or store the upstream's API key.
+
+Size (~420 lines): the gateway engine and its loop hooks, which share the continuation rules above.
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ from shared.redact import redact_url
 from shared.settings import Settings
 from shared.upstream_chunks import UpstreamStream, upstream_error_message
 from shared.upstream_request import chat_body, continue_body
+from workers.claims import ClaimLoop
 from workers.engine import Emission
-from workers.loop import ClaimLoop
 
 log = logging.getLogger(__name__)
 PROBE_EVERY_S = 2.0

@@ -1,6 +1,6 @@
 """Which CPU GEMM kernels run, chosen so that a row's result never depends on the rows beside it.
 
-The contract (README, "Exact on every CPU"): for a given request, model, dtype and flags, a token's
+The contract (docs/cpu.md, "Exact on every CPU"): for a given request, model, dtype and flags, a token's
 logits do not depend on whether its prefix came from the cache, where the step budget cut its prompt,
 or what shared its step. The lean forward (`workers.llama`) keeps that by construction for attention;
 the linear layers are library GEMMs, and two of them do not keep it by themselves:
@@ -172,7 +172,7 @@ def cpu_flags() -> frozenset[str]:
 
 
 def cpu_kind() -> str:
-    """AMX, AVX-512 BF16 or AVX2: the CPU kinds the README's contract names (capped by ONEDNN_MAX_CPU_ISA)."""
+    """AMX, AVX-512 BF16 or AVX2: the CPU kinds the contract names (docs/cpu.md) (capped by ONEDNN_MAX_CPU_ISA)."""
     flags, cap = cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     kind = "amx" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "avx2"
     if cap and "AMX" not in cap and kind == "amx":

@@ -36,6 +36,9 @@ costs no memory and the HF forward (the fallback, and the tests' reference) stil
 Must not: know sequences or the scheduler (the runner turns a `StepPlan` into a `StepBatch`), or
 accept a configuration it does not implement: `unsupported` names why, and the runner then keeps
 the generic HF path (other architectures, sliding windows, dynamic/longrope RoPE, non-SiLU MLPs).
+
+Size (~490 lines): the whole lean forward of the Llama family (weights, RoPE, paged attention, the MLP),
+whose exactness promises depend on each other; kept in one place so they are read together.
 """
 
 from __future__ import annotations

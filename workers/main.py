@@ -142,7 +142,7 @@ def keep_freed_memory() -> bool:
 
 def redis_client(url: str, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> Redis:
     """The worker's client: one quick retry per command (bus.connect.quick_retry) and a short connect
-    timeout. The loop rides out a longer outage itself (workers.loop), stepping on while it waits."""
+    timeout. The loop rides out a longer outage itself (workers.claims), stepping on while it waits."""
     return connect(url, max_connections=max_connections, socket_connect_timeout=2.0)
 
 

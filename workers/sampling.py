@@ -36,6 +36,9 @@ skips the processing entirely: its tokens are the raw logits' argmax, with no co
 
 Logprobs are those of the RAW model logits (log-softmax before any stage above), as OpenAI and
 vLLM report them by default: the chosen token's, and the `top_logprobs` best (id, logprob) pairs.
+
+Size (~420 lines): the twelve steps above, applied in that order to one batch; split, the order would
+have no single place to be read.
 """
 
 from __future__ import annotations

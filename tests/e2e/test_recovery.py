@@ -22,7 +22,7 @@ from cli.embedded_redis import free_port
 from shared import keys
 from shared.codec import decode_delta
 from shared.deltas import Error, Finish, is_terminal
-from workers.loop import FAULT_INJECTION_FILE
+from workers.faults import FAULT_INJECTION_FILE
 
 from ..conftest import ROOT, LiveServer, start_server, stop_server, wait_for
 

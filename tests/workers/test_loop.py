@@ -205,7 +205,7 @@ def test_the_in_flight_set_heals_from_each_leak_path_and_admission_recovers(redi
 
 
 def test_the_loop_sweeps_the_in_flight_set_on_its_own(redis_server: str, monkeypatch: Any) -> None:
-    monkeypatch.setattr("workers.loop.SWEEP_GRACE_S", 0.0)
+    monkeypatch.setattr("workers.claims.SWEEP_GRACE_S", 0.0)
 
     async def body(redis: Redis) -> None:
         assert await admit(redis, [f"leaked-{time.monotonic_ns()}"], 1, request_timeout=TIMEOUT)
@@ -350,14 +350,24 @@ def test_a_dead_workers_requests_are_reclaimed_past_a_long_list_of_live_ones_and
         assert len(await leases.claim_new(redis, "died", count=2, block_ms=None)) == 2
         await queue(redis, newer)
         await asyncio.sleep(0.4)  # past the lease (0.3 s) ...
-        await leases.renew(redis, "alive", live_entries)  # ... which the live worker renewed
+
+        async def live_worker() -> None:  # ... which the live worker keeps renewing, as a live one does
+            while True:
+                await leases.renew(redis, "alive", live_entries)
+                await asyncio.sleep(0.05)
+
+        renewing = asyncio.create_task(live_worker())
+        await asyncio.sleep(0.01)
         loop = make_loop(redis, lease_s=0.3, max_running=1)
         loop.reclaim_due = True
         order = []
-        for _ in range(3):
-            await loop.claim(block_ms=None)
-            order += loop.engine.active_ids()
-            await until_done(loop, redis, loop.engine.active_ids())
+        try:
+            for _ in range(3):
+                await loop.claim(block_ms=None)
+                order += loop.engine.active_ids()
+                await until_done(loop, redis, loop.engine.active_ids())
+        finally:
+            renewing.cancel()
         assert order == [dead[0].id, dead[1].id, newer.id]
 
     run(redis_server, body)
