@@ -24,7 +24,7 @@ from shared.redact import is_secret, redact_url
 from shared.settings import CACHE_SALT_POLICIES, QUANTIZATIONS, Flag, Settings, flag_of
 
 app = typer.Typer(
-    help="Metrale: an LLM inference server speaking OpenAI Chat Completions, OpenAI Responses and Anthropic Messages.",
+    help="Metrale: an LLM inference server speaking OpenAI Chat Completions, OpenAI Responses, legacy OpenAI Completions and Anthropic Messages.",
     no_args_is_help=True,
     add_completion=False,
 )

@@ -144,7 +144,7 @@ async def _replay_one(redis: Redis | None, record: DumpRecord, target: ReplayTar
 
 def divergence_cause(record: DumpRecord) -> str:
     """Why a diverged request may have diverged, by what it asked for: a greedy or seeded request must give
-    the same tokens (README, "Exact on every CPU"), so there the cause is the machine or the flags; an
+    the same tokens (docs/cpu.md, "Exact on every CPU"), so there the cause is the machine or the flags; an
     unseeded sampled one is expected to differ; one that set no temperature got the server's default."""
     sampling = record.request.sampling
     if sampling.greedy or sampling.seed is not None:

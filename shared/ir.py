@@ -129,9 +129,11 @@ class SamplingParams:
     request value → the operator's `--default-*` flags → the generation config (`--generation-config`:
     the model folder's generation_config.json, or the defaults shipped for the default model) → the
     fallback written in `FALLBACK`. The two middle layers arrive merged as one mapping
-    (models/generation.py `sampling_defaults`). After resolution no field is None except `seed`
-    (None = nondeterministic) and `max_tokens` (None = up to the context length, unless the operator
-    set `--default-max-tokens`).
+    (models/generation.py `sampling_defaults`). After resolution no field in `FALLBACK` is None; `seed`
+    (None = nondeterministic), `max_tokens` (None = up to the context length, unless the operator set
+    `--default-max-tokens`), `top_n_sigma` (None = off) and `prompt_logprobs` (None = not asked) may be.
+    A model worker resolves every field as it claims the request (workers.loop.WorkerLoop.with_defaults);
+    a gateway worker fills only the operator's layer (`apply_defaults`), leaving the rest to its upstream.
     """
 
     temperature: float | None = None

@@ -1,4 +1,4 @@
-"""compose.yaml, parsed: the structure the README promises, checked without a Docker engine (the real run is
+"""compose.yaml, parsed: the structure the README and docs/deployment.md promise, checked without a Docker engine (the real run is
 tests/compose/test_compose_run.py, `./dev test-compose`)."""
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """The README's "Use it" examples, run verbatim against the live server (only the address changed): each
-finishes, every request it makes sets its output limit, and none produces more than that limit."""
+finishes, every request it makes sets its output limit, and none produces more than that limit. Also, with
+no server: the agent recipe's flags, and every relative link in the README and `docs/` names a file (and,
+with a `#fragment`, a heading) that exists."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +27,9 @@ pytestmark = pytest.mark.e2e
 
 README_ADDRESS = "http://127.0.0.1:8000"
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
+ANY_FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6} +(.+?) *#*$", re.M)
 
 
 def examples() -> list[tuple[str, str]]:
@@ -106,3 +112,36 @@ def test_the_readme_agent_recipe_exits_0_with_each_install(agents_server: LiveSe
         done = subprocess.run(["bash", "-e", "-c", script.replace(README_ADDRESS, agents_server.base_url)], cwd=home, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
         ended = outcome("claude" if "claude " in script else "codex", done, [done.stdout])
         print(f"{install}: {script.splitlines()[-1]!r} → {ended}: {done.stdout.strip()[:120]!r}")
+
+
+def _prose(path: Path) -> str:
+    """The file's Markdown outside fenced blocks and inline code (where `#` and `[..](..)` are not Markdown)."""
+    return re.sub(r"`[^`\n]*`", "", ANY_FENCE.sub("", path.read_text()))
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchor for each heading: lower case, punctuation dropped, spaces as hyphens (repeats get -1, -2…)."""
+    anchors: set[str] = set()
+    repeats: dict[str, int] = {}
+    for title in HEADING.findall(ANY_FENCE.sub("", path.read_text())):
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{repeats[slug]}" if slug in repeats else slug)
+        repeats[slug] = repeats.get(slug, 0) + 1
+    return anchors
+
+
+def test_every_relative_link_in_the_readme_and_docs_names_a_file_and_heading_that_exist() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert len(pages) > 1, "docs/ holds no pages"
+    broken = []
+    for page in pages:
+        for target in LINK.findall(_prose(page)):
+            if re.match(r"[a-z][a-z+.-]*:", target):  # https:, mailto: …
+                continue
+            file, _, fragment = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif fragment and path.suffix == ".md" and fragment not in _anchors(path):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)

@@ -3,13 +3,16 @@ positions, determinism (ids and timestamps from the request alone), cut streams,
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import orjson
 import pytest
 
 from encoders.frames import Frame
 from encoders.reencode import STREAM_ENCODERS, encode_frames, encode_sse
 from shared.deltas import is_terminal
-from shared.ir import Protocol
+from shared.ir import Protocol, Request
 
 from .recorded import SCENARIOS, request
 
@@ -46,6 +49,22 @@ def streamed_text(protocol: Protocol, frames: list[Frame]) -> str:
 
 def test_every_protocol_has_a_stream_encoder() -> None:
     assert set(STREAM_ENCODERS) == set(Protocol)
+
+
+@pytest.mark.parametrize("target", PROTOCOLS, ids=str)
+def test_the_encoder_sees_the_recorded_request_with_only_its_protocol_switched(target: Protocol, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Request] = []
+    real = STREAM_ENCODERS[target]
+
+    def recording(req: Request) -> Any:
+        seen.append(req)
+        return real(req)
+
+    monkeypatch.setitem(STREAM_ENCODERS, target, recording)
+    source = Protocol.OPENAI_CHAT if target is not Protocol.OPENAI_CHAT else Protocol.ANTHROPIC_MESSAGES
+    recorded = request(source, include_usage=True, return_token_ids=True, raw_body='{"model":"tiny-chat"}')
+    encode_sse(recorded, SCENARIOS["plain_text"], target)
+    assert seen == [replace(recorded, protocol=target)]
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
@@ -98,7 +117,7 @@ def test_deltas_may_come_from_a_one_shot_iterator(target: Protocol) -> None:
 
 
 # How a stream with no recorded terminal event ends, per protocol: the last frames the encoder's `finish()` adds.
-CUT_CLOSE = {
+CUT_CLOSE: dict[Protocol, list[tuple[str | None, str]]] = {
     Protocol.OPENAI_CHAT: [(None, "[DONE]")],
     Protocol.OPENAI_COMPLETIONS: [(None, "[DONE]")],
     Protocol.ANTHROPIC_MESSAGES: [("error", "error")],
@@ -108,8 +127,9 @@ CUT_CLOSE = {
 
 def frame_kind(frame: Frame) -> tuple[str | None, str]:
     """(SSE event name, data `type` or the raw data when it is not a JSON object)."""
-    payload = orjson.loads(frame.data) if frame.data.startswith("{") else frame.data
-    return frame.event, payload.get("type", "") if isinstance(payload, dict) else payload
+    if frame.data.startswith("{"):
+        return frame.event, str(orjson.loads(frame.data).get("type", ""))
+    return frame.event, frame.data
 
 
 def common_prefix(a: list[Frame], b: list[Frame]) -> int:

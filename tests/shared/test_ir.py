@@ -1,5 +1,5 @@
-"""The request IR: frozen keyword-only types with tuples, message text, greedy detection, custom tools, and
-`resolve()`'s precedence (request → model defaults → FALLBACK)."""
+"""The request IR: frozen keyword-only types with tuples, message text, greedy detection, custom tools,
+`resolve()`'s precedence (request → model defaults → FALLBACK) and `apply_defaults()` (no fallback)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from shared.ir import (
     TextPart,
     ToolKind,
     ToolSpec,
+    apply_defaults,
     custom_tools,
     resolve,
 )
@@ -57,7 +58,7 @@ def test_a_message_cannot_be_changed_after_it_is_built() -> None:
 
 def test_fields_cannot_be_passed_by_position() -> None:
     with pytest.raises(TypeError):
-        TextPart("hi")  # type: ignore[misc]
+        TextPart("hi")  # type: ignore[call-arg]
 
 
 def test_message_text_joins_the_text_parts_in_order_and_skips_images() -> None:
@@ -184,3 +185,32 @@ def test_resolving_twice_with_the_same_defaults_changes_nothing() -> None:
     assert resolve(once, defaults) == once
     assert resolve(once, {"temperature": 1.5, "top_k": 99, "max_tokens": 1}) == once  # nothing left unset to fill
 
+
+
+def test_a_top_k_default_given_as_a_float_becomes_an_int() -> None:
+    top_k = resolve(SamplingParams(), {"top_k": 40.0}).top_k
+    assert top_k == 40 and isinstance(top_k, int)
+
+
+# ---- apply_defaults() -----------------------------------------------------------------------------------
+
+
+def test_apply_defaults_fills_only_the_fields_it_is_given_and_leaves_the_rest_unset() -> None:
+    applied = apply_defaults(SamplingParams(), {"temperature": 0.3, "max_tokens": 64})
+    assert (applied.temperature, applied.max_tokens) == (0.3, 64)
+    assert all(getattr(applied, name) is None for name in FALLBACK if name != "temperature")
+
+
+def test_apply_defaults_never_overrides_the_requests_own_values() -> None:
+    params = SamplingParams(temperature=0.0, top_k=0, max_tokens=5)
+    assert apply_defaults(params, {"temperature": 0.9, "top_k": 40, "max_tokens": 99}) == params
+
+
+def test_apply_defaults_with_nothing_given_changes_nothing() -> None:
+    assert apply_defaults(SamplingParams(top_p=0.5), {}) == SamplingParams(top_p=0.5)
+
+
+def test_apply_defaults_then_resolve_is_resolve_over_the_same_defaults() -> None:
+    defaults: dict[str, float | int] = {"top_p": 0.7, "max_tokens": 10}
+    params = SamplingParams(temperature=0.5)
+    assert resolve(apply_defaults(params, defaults), {}) == resolve(params, defaults)

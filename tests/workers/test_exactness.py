@@ -1,4 +1,4 @@
-"""The contract (README, "Exact on every CPU"), in the dtype the server runs (bf16, lean path): a greedy
+"""The contract (docs/cpu.md, "Exact on every CPU"), in the dtype the server runs (bf16, lean path): a greedy
 request's tokens do not depend on whether its prefix came from the cache, where the step budget cut its
 prompt, or whether it is a resumed attempt — checked on this CPU and under ONEDNN_MAX_CPU_ISA capped at
 each lower level it supports, so one AMX machine checks all three kinds. Each level runs in a child
@@ -41,7 +41,7 @@ def test_a_greedy_request_gets_the_same_tokens_cold_cached_chunked_and_resumed(i
     assert cached[0] == cold[0], "a prefix-cache hit changed the greedy tokens"
     assert chunked[0] == cold[0], "7-token prompt chunks changed the greedy tokens"
     assert resumed[0] == cold[0], "a resumed attempt changed the greedy tokens"
-    if out["kernels"]["cpu"] != "avx2":  # AVX2: decode rows of a step with others multiply in float32 unless --batch-invariant (README)
+    if out["kernels"]["cpu"] != "avx2":  # AVX2: decode rows of a step with others multiply in float32 unless --batch-invariant (docs/cpu.md)
         assert out["batched"][0] == cold[0], "batch-mates changed the greedy tokens"
 
 

@@ -253,7 +253,7 @@ def _logits_of_me(arrivals: dict[int, list[Request]], *, batch_invariant: bool =
     """The logits of request "me" in a bf16 tiny model's run, requests added at their steps, as on a CPU
     without native bf16 whatever this one has: float32 projections where `TorchRunner.wide_mode` puts them,
     and attention's products in float32 (`llama._widen`). On a CPU with native bf16 (AVX-512 BF16) the
-    attention otherwise runs in bf16, where `--batch-invariant` promises nothing (README)."""
+    attention otherwise runs in bf16, where `--batch-invariant` promises nothing (docs/cpu.md)."""
     model = tiny(family, seed=7, **SMOLLM_WIDE).to(torch.bfloat16)
     runner = TorchRunner(model, max_len=256, kv_budget_mb=64, device=torch.device("cpu"), dtype=torch.bfloat16)
     runner.widen, runner.batch_invariant = True, batch_invariant
