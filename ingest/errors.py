@@ -1,6 +1,8 @@
 """Render an `ApiError` in the shape of the protocol the client spoke.
 
-OpenAI (chat and Responses): `{"error": {"message", "type", "param", "code"}}`.
+OpenAI (chat and Responses): `{"error": {"message", "type", "param", "code"}}`; overload (a full queue,
+a busy tokenizer) is OpenAI's own 503 `server_error` ("The server is overloaded"), not a 429
+`rate_limit_error`, which OpenAI keeps for a key's own limits.
 Anthropic: `{"type": "error", "error": {"type", "message"}}` with its own type names and 529 for overload.
 """
 
@@ -18,7 +20,7 @@ _OPENAI_TYPES = {
     "permission": "permission_error",
     "not_found": "not_found_error",
     "rate_limit": "rate_limit_error",
-    "overloaded": "rate_limit_error",
+    "overloaded": "server_error",
     "too_large": "invalid_request_error",
     "timeout": "invalid_request_error",
     "unavailable": "service_unavailable_error",
@@ -46,8 +48,8 @@ def error_body(protocol: Protocol, err: ApiError) -> dict[str, Any]:
 
 
 def status_for(protocol: Protocol, err: ApiError) -> int:
-    if protocol is Protocol.ANTHROPIC_MESSAGES and err.kind == "overloaded":
-        return 529
+    if err.kind == "overloaded":
+        return 529 if protocol is Protocol.ANTHROPIC_MESSAGES else 503
     return err.status
 
 
