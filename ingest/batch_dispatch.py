@@ -56,8 +56,9 @@ return 0
 class LineRunner(Protocol):
     """What the dispatcher needs of the protocols (built by the app from its Surface rows)."""
 
-    def request(self, doc: dict[str, Any], line: dict[str, Any], request_id: str) -> Request:
-        """The prepared request IR of a line (raises ApiError when its body is refused)."""
+    async def prepare(self, doc: dict[str, Any], line: dict[str, Any], request_id: str, *, size: int) -> Request:
+        """The prepared request IR of a line (`size`: its bytes), made off the event loop as any body's is:
+        raises ApiError when its body is refused, or (kind `overloaded`) when the tokenizer is busy."""
         ...
 
     def result(self, doc: dict[str, Any], line: dict[str, Any], request: Request, deltas: list[StreamDelta]) -> tuple[str, dict[str, Any]]:
@@ -73,6 +74,7 @@ class LineRunner(Protocol):
 class _Job:
     lines: dict[str, dict[str, Any]]  # custom_id → line
     todo: deque[str]  # custom_ids neither finished nor queued, in input order
+    sizes: dict[str, int] = field(default_factory=dict)  # custom_id → the line's stored bytes (picks its tokenizing lane)
     inflight: dict[str, str] = field(default_factory=dict)  # request id → custom_id
     requests: dict[str, Request] = field(default_factory=dict)  # request id → IR (for the result body)
     cancel_sent: bool = False
@@ -143,7 +145,7 @@ class BatchDispatcher:
         lines = [orjson.loads(r) for r in raw]
         done: Any = await self.redis.hkeys(keys.batch_results(batch_id))
         finished = {d.decode() for d in done}
-        job = _Job(lines={line["custom_id"]: line for line in lines}, todo=deque())
+        job = _Job(lines={line["custom_id"]: line for line in lines}, todo=deque(), sizes={line["custom_id"]: len(r) for line, r in zip(lines, raw, strict=True)})
         for line in lines:
             cid = line["custom_id"]
             if cid in finished:
@@ -171,7 +173,14 @@ class BatchDispatcher:
             deltas = deltas_of(entries)
             cid = job.inflight[rid]  # out of `inflight` only once its result is recorded (below)
             line = job.lines[cid]
-            request = job.requests.pop(rid, None) or self.runner.request(doc, line, rid)  # queued by an earlier dispatcher: the same parse
+            request = job.requests.get(rid)
+            if request is None:  # queued by an earlier dispatcher: the same parse
+                try:
+                    request = await self.runner.prepare(doc, line, rid, size=job.sizes.get(cid, 0))
+                except ApiError as err:
+                    if err.kind == "overloaded":
+                        continue  # the tokenizer is busy: collected on a later step
+                    raise
             outcome, result = self.runner.result(doc, line, request, deltas)
             if outcome == "canceled" and stopping == "expired":
                 outcome, result = "expired", self.runner.unrun(doc, line, rid, "expired")
@@ -179,6 +188,7 @@ class BatchDispatcher:
             tokens = (finish.usage.prompt_tokens, finish.usage.completion_tokens) if finish is not None else (len(request.prompt_token_ids), 0)
             await batch_jobs.record_result(self.redis, doc["id"], cid, outcome=outcome, result=result, tokens=tokens)
             del job.inflight[rid]
+            job.requests.pop(rid, None)
 
     async def _queue_more(self, doc: dict[str, Any], job: _Job) -> None:
         """Queue lines while the batch, its key and the batch pool have room (`--batch-max-inflight`,
@@ -194,8 +204,10 @@ class BatchDispatcher:
             line = job.lines[cid]
             rid = batch_jobs.line_request_id(doc["id"], cid)
             try:
-                request = self.runner.request(doc, line, rid)
+                request = await self.runner.prepare(doc, line, rid, size=job.sizes.get(cid, 0))
             except ApiError as err:
+                if err.kind == "overloaded":
+                    break  # the tokenizer's large lane is full (interactive bodies share it): the line waits for a later step
                 await batch_jobs.record_result(self.redis, doc["id"], cid, outcome="errored", result=self.runner.refused(doc, line, rid, err))
                 job.todo.popleft()
                 continue

@@ -77,7 +77,15 @@ class BatchLines:
         """Validation at creation: the line's body goes through the route's parser and prompt checks."""
         self.request({"endpoint": endpoint}, {"body": body}, "check")
 
+    async def prepare(self, doc: dict[str, Any], line: dict[str, Any], request_id: str, *, size: int) -> Request:
+        """`request` on the API node's tokenizing lanes (ingest.tokenizing): a line's prompt is parsed and
+        rendered off the event loop like any body, a line over 1 MiB on the large lane, in turn with the
+        interactive bodies there (busy: ApiError `overloaded`, and the dispatcher tries again later)."""
+        return await self.api.tokenizing.run(size, partial(self.request, doc, line, request_id))
+
     def request(self, doc: dict[str, Any], line: dict[str, Any], request_id: str) -> Request:
+        """The prepared request IR of a line (raises ApiError when its body is refused). Blocking: on a
+        tokenizing thread (`prepare`, and the checks at creation)."""
         surface = self._surface(doc)
         body = {k: v for k, v in line["body"].items() if k not in ("stream", "stream_options")}
         parsed: Request = surface.parse(body, request_id=request_id, created=time.time())

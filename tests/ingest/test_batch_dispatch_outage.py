@@ -62,7 +62,7 @@ def test_an_outage_is_logged_when_it_starts_and_when_it_ends(tmp_path: Path, cap
 class OneLineRunner:
     """Every line is the same small request (the dispatcher's LineRunner, no protocol needed)."""
 
-    def request(self, doc: dict[str, Any], line: dict[str, Any], request_id: str) -> Request:
+    async def prepare(self, doc: dict[str, Any], line: dict[str, Any], request_id: str, *, size: int) -> Request:
         return replace(make_request(request_id), priority=10)
 
 
