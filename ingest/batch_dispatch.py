@@ -37,6 +37,7 @@ from shared.ir import Request
 from shared.settings import Settings
 
 log = logging.getLogger("met.batch")
+LIVE = ("validating", "in_progress", "cancelling")  # statuses the dispatcher may still end (a record ended once stays ended)
 
 # Take the lease if free, or renew it if this node holds it; 1 if this node holds it now.
 _LEASE = """
@@ -130,7 +131,7 @@ class BatchDispatcher:
         job.owner = doc["owner"]
         self.jobs[batch_id] = job
         if doc["status"] == "validating":
-            doc = await batch_jobs.update(self.redis, self.settings, batch_id, status="in_progress", in_progress_at=int(time.time()))
+            doc = await batch_jobs.update(self.redis, self.settings, batch_id, only_from=("validating",), status="in_progress", in_progress_at=int(time.time()))
         stopping = "canceled" if doc["status"] == "cancelling" else "expired" if time.time() > doc["expires_at"] else None
         await self._collect(doc, job, stopping)
         if stopping is not None:
@@ -211,9 +212,13 @@ class BatchDispatcher:
                 await batch_jobs.record_result(self.redis, doc["id"], cid, outcome="errored", result=self.runner.refused(doc, line, rid, err))
                 job.todo.popleft()
                 continue
-            await submit_batch_line(self.redis, request, owner=owner)
+            queued = await submit_batch_line(self.redis, request, owner=owner, lease=(keys.batch_lease(doc["id"]), self.node_id))
+            if not queued and not await is_queued(self.redis, rid):
+                log.warning("batch %s: lease lost to another node; it drives the batch now", doc["id"])
+                self.jobs.pop(doc["id"], None)
+                return
             job.todo.popleft()
-            job.inflight[rid] = cid
+            job.inflight[rid] = cid  # queued now, or by the node that held the lease meanwhile: its result is collected the same way
             job.requests[rid] = request
             room, key_room = room - 1, key_room - 1
 
@@ -234,7 +239,7 @@ class BatchDispatcher:
         status = {"canceled": "cancelled", "expired": "expired"}.get(stopping or "", "completed")
         changes: dict[str, Any] = {"status": status, f"{status}_at": now, "ended_at": now}
         if doc["protocol"] == batch_jobs.OPENAI:
-            await batch_jobs.update(self.redis, self.settings, doc["id"], status="finalizing", finalizing_at=now)
+            await batch_jobs.update(self.redis, self.settings, doc["id"], only_from=LIVE, status="finalizing", finalizing_at=now)
             results = await batch_jobs.results(self.redis, doc["id"])
             ordered = [results[cid] for cid in self.jobs[doc["id"]].lines if cid in results]
             for name, wanted in (("output_file_id", True), ("error_file_id", False)):
@@ -243,7 +248,7 @@ class BatchDispatcher:
                     content = b"".join(orjson.dumps(r) + b"\n" for r in chosen)
                     stored = await files.put(self.redis, self.settings, owner=doc["owner"], filename=f"{doc['id']}_{name[:-8]}.jsonl", purpose=files.OUTPUT_PURPOSE, content=content)
                     changes[name] = stored["id"]
-        await batch_jobs.update(self.redis, self.settings, doc["id"], **changes)
+        await batch_jobs.update(self.redis, self.settings, doc["id"], only_from=(*LIVE, "finalizing"), **changes)
         log.info("batch %s %s", doc["id"], status)
         await self._end(doc["id"])
 

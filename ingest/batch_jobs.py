@@ -16,12 +16,13 @@ import hashlib
 import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 from redis.asyncio import Redis
+from redis.exceptions import WatchError
 
 from ingest.files import newest_after
 from shared import keys
@@ -183,15 +184,30 @@ async def load(redis: Redis, batch_id: str, *, owner: str | None = None, protoco
     return doc
 
 
-async def save(redis: Redis, settings: Settings, doc: dict[str, Any]) -> None:
-    await redis.set(keys.batch_doc(doc["id"]), orjson.dumps(doc), ex=settings.batch_retention)
-
-
-async def update(redis: Redis, settings: Settings, batch_id: str, **changes: Any) -> dict[str, Any]:
-    doc = await load(redis, batch_id)
-    doc.update(changes)
-    await save(redis, settings, doc)
-    return doc
+async def update(redis: Redis, settings: Settings, batch_id: str, *, only_from: Collection[str] | None = None, **changes: Any) -> dict[str, Any]:
+    """Apply `changes` to the record as one compare-and-set (WATCH / MULTI: a record changed meanwhile,
+    by another node's dispatcher or a cancel route, is read again and the change retried, never written
+    over). With `only_from`, only while its status is one of those; otherwise it is returned unchanged,
+    so a cancel that comes after the dispatcher finished the batch cannot strand it in `cancelling`."""
+    key = keys.batch_doc(batch_id)
+    async with redis.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                await pipe.watch(key)
+                raw = await pipe.get(key)
+                if raw is None:
+                    raise not_found(batch_id, OPENAI)
+                doc: dict[str, Any] = orjson.loads(raw)
+                if only_from is not None and doc["status"] not in only_from:
+                    await pipe.unwatch()
+                    return doc
+                doc.update(changes)
+                pipe.multi()
+                pipe.set(key, orjson.dumps(doc), ex=settings.batch_retention)
+                await pipe.execute()
+                return doc
+            except WatchError:
+                continue  # changed between the read and the write: read it again
 
 
 async def record_result(redis: Redis, batch_id: str, custom_id: str, *, outcome: str, result: dict[str, Any], tokens: tuple[int, int] = (0, 0)) -> bool:

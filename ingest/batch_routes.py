@@ -205,9 +205,7 @@ class BatchRoutes:
 
     async def _cancel(self, http: HttpRequest, protocol: str) -> dict[str, Any]:
         doc = await batch_jobs.load(self.redis, _route(http, "batch_id"), owner=self.caller(http), protocol=protocol)
-        if doc["status"] in ("validating", "in_progress"):
-            doc = await batch_jobs.update(self.redis, self.settings, doc["id"], status="cancelling", cancelling_at=int(time.time()))
-        return doc
+        return await batch_jobs.update(self.redis, self.settings, doc["id"], only_from=("validating", "in_progress"), status="cancelling", cancelling_at=int(time.time()))
 
     # ---- Anthropic Message Batches --------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 
 from bus import cancels
 from bus.connect import is_cluster
@@ -49,16 +49,24 @@ async def submit(redis: Redis, request: Request, *, owner: str = ANONYMOUS, clie
         await pipe.execute()
 
 
-async def submit_batch_line(redis: Redis, request: Request, *, owner: str = ANONYMOUS, client: str = BATCH_CLIENT) -> None:
-    """`submit` for a batch line, all or nothing (MULTI/EXEC), with its place in the queue counted:
-    once the IR key exists the line is queued, so a dispatcher that restarts asks `is_queued` and never
-    queues a line twice or loses one.
+async def submit_batch_line(
+    redis: Redis, request: Request, *, owner: str = ANONYMOUS, client: str = BATCH_CLIENT, lease: tuple[str, str] | None = None
+) -> bool:
+    """`submit` for a batch line, all or nothing (MULTI/EXEC), with its place in the queue counted, and
+    fenced: it queues nothing (False) when the line is queued already or, with `lease` (the batch's lease
+    key, this node's id), when this node no longer holds the batch. The check and the write are one
+    optimistic transaction (WATCH on the line's IR key and the lease): a node whose lease lapsed while it
+    paused cannot queue a line the new leader queued meanwhile. Once the IR key exists the line is queued,
+    so a dispatcher that restarts asks `is_queued` and never queues a line twice or loses one.
 
-    A cluster has no MULTI across slots, so there it takes three steps: the request's keys without the
-    IR (an idempotent script), then the count and the XADD, then the IR key. A dispatcher that dies
-    between the last two queues that one line twice when it restarts (it runs twice; its result is
-    recorded once, by custom_id): at least once, never lost."""
+    A cluster has no MULTI across slots, so there it takes three steps after the same checks (not atomic
+    with them): the request's keys without the IR (an idempotent script), then the count and the XADD,
+    then the IR key. A dispatcher that dies between the last two, or loses its lease between the check
+    and the write, queues that one line twice (it runs twice; its result is recorded once, by custom_id):
+    at least once, never lost."""
     if is_cluster(redis):
+        if await is_queued(redis, request.id) or (lease is not None and await redis.get(lease[0]) != lease[1].encode()):
+            return False
         encoded = encode_request(request)
         await _record(redis, request, b"", owner, client)
         async with redis.pipeline(transaction=False) as pipe:
@@ -66,11 +74,21 @@ async def submit_batch_line(redis: Redis, request: Request, *, owner: str = ANON
             _enqueue(pipe, request, encoded)
             await pipe.execute()
         await redis.set(keys.request_ir(request.id), encoded)
-        return
+        return True
+    ir = keys.request_ir(request.id)
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.zadd(keys.INFLIGHT_BATCH, {request.id: time.time()})
-        _queue(pipe, request, owner, client)
-        await pipe.execute()
+        try:
+            await pipe.watch(ir, *([lease[0]] if lease else []))
+            if await pipe.exists(ir) or (lease is not None and await pipe.get(lease[0]) != lease[1].encode()):
+                await pipe.unwatch()
+                return False
+            pipe.multi()
+            pipe.zadd(keys.INFLIGHT_BATCH, {request.id: time.time()})
+            _queue(pipe, request, owner, client)
+            await pipe.execute()
+        except WatchError:  # the line was queued, or the lease changed hands, between the check and the write
+            return False
+    return True
 
 
 async def is_queued(redis: Redis, request_id: str) -> bool:

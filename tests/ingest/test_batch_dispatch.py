@@ -1,7 +1,8 @@
-"""The batch dispatcher prepares lines off the event loop (ingest.batch_routes.BatchLines.prepare on the
-tokenizing lanes), against a real redis-server: a line's parse and render never runs on the loop that
-serves the node's streams, and a line that finds the large lane full waits for a later step instead of
-failing."""
+"""The batch dispatcher against a real redis-server: it prepares lines off the event loop
+(ingest.batch_routes.BatchLines.prepare on the tokenizing lanes), so a line's parse and render never runs
+on the loop that serves the node's streams, and a line that finds the large lane full waits for a later
+step instead of failing; its writes are fenced (a node that lost the batch's lease queues nothing, a line
+is never queued twice) and batch records change by compare-and-set."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from ingest import batch_dispatch
+from ingest import batch_dispatch, batch_jobs
 from ingest.batch_dispatch import BatchDispatcher
 from ingest.batch_routes import BatchLines
 from ingest.tokenizing import LARGE_BODY_BYTES, Tokenizing
@@ -52,6 +53,7 @@ def test_lines_are_prepared_on_a_tokenizing_thread_never_on_the_event_loop(redis
         dispatcher = BatchDispatcher(redis, Settings(), runner=runner, node_id="off-loop")
         job = job_of("a", "b", size=size)
         doc = {"id": f"batch_offloop{time.monotonic_ns()}", "owner": "k"}
+        await redis.set(keys.batch_lease(doc["id"]), "off-loop")
         await dispatcher._queue_more(doc, job)
         assert sorted(job.inflight.values()) == ["a", "b"]
         assert len(runner.threads) == 2 and threading.get_ident() not in runner.threads
@@ -68,6 +70,7 @@ def test_a_large_line_that_finds_the_large_lane_full_waits_and_is_not_errored(re
         dispatcher = BatchDispatcher(redis, settings, runner=runner, node_id="busy-lane")
         job = job_of("big", size=LARGE_BODY_BYTES + 1)
         doc = {"id": f"batch_busy{time.monotonic_ns()}", "owner": "k"}
+        await redis.set(keys.batch_lease(doc["id"]), "busy-lane")
         runner.api.tokenizing._large_jobs = 1  # an interactive 30 MiB body holds the one place on the large lane
         await dispatcher._queue_more(doc, job)
         assert list(job.todo) == ["big"] and not job.inflight and not runner.threads
@@ -75,6 +78,54 @@ def test_a_large_line_that_finds_the_large_lane_full_waits_and_is_not_errored(re
         runner.api.tokenizing._large_jobs = 0  # it finished
         await dispatcher._queue_more(doc, job)
         assert not job.todo and list(job.inflight.values()) == ["big"]
+        await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_node_that_lost_the_lease_queues_nothing_and_a_queued_line_is_not_queued_again(redis_server: str) -> None:
+    """Node A paused past its lease; node B took the batch and queued line "a". A wakes with its old view
+    (both lines to do): before, it queued "a" a second time and "b" beside B."""
+
+    async def scenario() -> None:
+        redis = Redis.from_url(redis_server)
+        doc = {"id": f"batch_fenced{time.monotonic_ns()}", "owner": "k"}
+        lease = keys.batch_lease(doc["id"])
+        node_b = BatchDispatcher(redis, Settings(), runner=RecordingLines(Settings()), node_id="node-b")
+        await redis.set(lease, "node-b")
+        b_job = job_of("a", size=100)
+        await node_b._queue_more(doc, b_job)
+        assert list(b_job.inflight.values()) == ["a"]
+        before = await redis.xlen(keys.REQUEST_STREAM)
+        node_a = BatchDispatcher(redis, Settings(), runner=RecordingLines(Settings()), node_id="node-a")
+        node_a.jobs[doc["id"]] = a_job = job_of("a", "b", size=100)
+        await node_a._queue_more(doc, a_job)
+        assert await redis.xlen(keys.REQUEST_STREAM) == before  # nothing queued: not "a" again, not "b"
+        assert doc["id"] not in node_a.jobs  # it stops driving the batch
+        await redis.set(lease, "node-a")  # A leads again later (B died): "a" is queued, so it is followed, not resent
+        a_job = job_of("a", "b", size=100)
+        await node_a._queue_more(doc, a_job)
+        assert await redis.xlen(keys.REQUEST_STREAM) == before + 1  # only "b"
+        assert sorted(a_job.inflight.values()) == ["a", "b"]
+        await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_batch_record_changes_are_compare_and_set(redis_server: str) -> None:
+    async def scenario() -> None:
+        redis = Redis.from_url(redis_server)
+        settings = Settings()
+        doc = await batch_jobs.create(redis, settings, record={"protocol": batch_jobs.OPENAI, "owner": "k", "endpoint": "/v1/chat/completions"}, lines=[{"custom_id": "x"}])
+        bid = doc["id"]
+        # concurrent changes from several nodes: each lands (a read-modify-write would keep one of them)
+        await asyncio.gather(*(batch_jobs.update(redis, settings, bid, **{f"mark_{i}": i}) for i in range(20)))
+        marked = await batch_jobs.load(redis, bid)
+        assert all(marked[f"mark_{i}"] == i for i in range(20))
+        # a cancel that arrives after the dispatcher ended the batch leaves it ended (it used to strand it in `cancelling`)
+        await batch_jobs.update(redis, settings, bid, only_from=("validating", "in_progress", "cancelling"), status="completed")
+        after = await batch_jobs.update(redis, settings, bid, only_from=("validating", "in_progress"), status="cancelling")
+        assert after["status"] == "completed" and (await batch_jobs.load(redis, bid))["status"] == "completed"
         await redis.aclose()
 
     asyncio.run(scenario())

@@ -19,6 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from cli.embedded_redis import EmbeddedRedis
 from ingest import batch_dispatch
 from ingest.batch_dispatch import BatchDispatcher
+from shared import keys
 from shared.ir import Request
 from shared.settings import Settings
 from tests.workers.fakes import make_request
@@ -85,6 +86,7 @@ def test_a_redis_error_while_queueing_a_line_leaves_it_for_the_next_step(redis_s
         dispatcher = BatchDispatcher(redis, Settings(), runner=OneLineRunner(), node_id="flaky")  # type: ignore[arg-type]
         job = batch_dispatch._Job(lines={"line-1": {"custom_id": "line-1"}}, todo=deque(["line-1"]), owner="k")
         doc = {"id": f"batch_flaky{time.monotonic_ns()}", "owner": "k"}
+        await redis.set(keys.batch_lease(doc["id"]), "flaky")  # this node leads the batch
         with pytest.raises(RedisConnectionError):
             await dispatcher._queue_more(doc, job)
         assert list(job.todo) == ["line-1"] and not job.inflight  # still to do: nothing lost
