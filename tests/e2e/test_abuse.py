@@ -42,7 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     args = [
         *("--workers", "1", "--api-key", KEY_A, "--api-key", KEY_B),
         *("--body-timeout", str(BODY_TIMEOUT), "--header-timeout", str(HEADER_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS)),
-        *("--max-stored-request-bytes", str(STORE_CAP)),
+        *("--max-stored-request-bytes", str(STORE_CAP), "--max-file-mb", "1"),
     ]
     live = start_server(tmp_path_factory.mktemp("abuse"), *args, env={"MET_PING_INTERVAL": str(PING_S)})
     yield live
@@ -181,6 +181,79 @@ def test_a_trickled_body_gets_a_408_and_a_closed_connection_while_others_are_ser
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert orjson.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
     assert elapsed < BODY_TIMEOUT + 10  # generous: the deadline is 2 s
+
+
+BOUNDARY = "metrale-upload"
+
+
+def upload_head(server: LiveServer, extra: str) -> bytes:
+    return f"POST /v1/files HTTP/1.1\r\nHost: x\r\nx-api-key: {KEY_A}\r\nContent-Type: multipart/form-data; boundary={BOUNDARY}\r\n{extra}\r\n".encode()
+
+
+def form_start() -> bytes:
+    return (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="lines.jsonl"\r\nContent-Type: application/jsonl\r\n\r\n'
+    ).encode()
+
+
+def answer_of(sock: socket.socket, sending: threading.Thread) -> bytes:
+    """The server's whole response (headers and its Content-Length of body), or what came before it closed."""
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), None)
+        if length is not None and len(body) >= length:
+            break
+    sock.close()
+    sending.join(timeout=30)
+    return answer
+
+
+def test_a_trickled_file_upload_gets_a_408_like_any_body(server: LiveServer) -> None:
+    """Uploads went through blacksheep's own multipart reader: no body deadline (and spooled to /tmp)."""
+    sock = connect(server)
+    sock.sendall(upload_head(server, "Content-Length: 100000\r\n") + form_start())
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.3):
+            try:
+                sock.sendall(b"{")
+            except OSError:
+                return
+
+    sending = threading.Thread(target=trickle, daemon=True)
+    sending.start()
+    answer = answer_of(sock, sending)
+    stop.set()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert orjson.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+
+
+def test_a_chunked_upload_past_the_file_limit_is_a_413_as_it_arrives(server: LiveServer) -> None:
+    """No Content-Length to check up front: the bytes are counted as they come. 2 MiB are sent (the limit
+    is 1 MB) and the body is left open: the answer comes from what arrived, not from the body's end (before,
+    the whole body was read, and spooled to /tmp, before its size was looked at)."""
+    sock = connect(server)
+    sock.sendall(upload_head(server, "Transfer-Encoding: chunked\r\n"))
+
+    def send() -> None:
+        try:
+            for piece in [form_start(), *([b"x" * 65536] * 32)]:
+                sock.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+        except OSError:
+            return  # the server answered and closed: what it read was enough
+
+    sending = threading.Thread(target=send, daemon=True)
+    sending.start()
+    answer = answer_of(sock, sending)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    error = orjson.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "file_too_large" and error["param"] == "file"
+    listed = httpx.get(server.base_url + "/v1/files", headers=headers(KEY_A), timeout=30).json()
+    assert listed["data"] == []  # nothing stored
 
 
 def test_trickled_headers_are_cut_off_at_the_header_deadline(server: LiveServer) -> None:
