@@ -228,6 +228,25 @@ def upstream_error_message(payload: Any) -> str:
     return text[:300]
 
 
+def refusal(status: int, body: bytes) -> tuple[ErrorKind, str]:
+    """What a client is told when the upstream answers a request with an error status, in our own words:
+    overload (429, 503) is ours to report as overload (the client may retry); the upstream's own 4xx
+    message (a bad parameter, a prompt too long) is the client's to read, cut short; a refused credential
+    (401, 403) and a 5xx are the gateway's problem, not the client's, so their bodies (which may carry
+    the upstream's internals) stay in the gateway's log and the client gets the status only."""
+    if status in (429, 503):
+        return ErrorKind.OVERLOADED, f"The upstream is overloaded ({status}); retry shortly."
+    if status in (401, 403):
+        return ErrorKind.INTERNAL, f"The upstream refused the gateway's credentials ({status}); the server's operator must fix its key."
+    if status >= 500:
+        return ErrorKind.INTERNAL, f"The upstream failed ({status})."
+    try:
+        detail = upstream_error_message(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        detail = body.decode(errors="replace")[:300]
+    return ErrorKind.INVALID_REQUEST, f"The upstream refused the request ({status}): {detail}"
+
+
 def _usage(raw: dict[str, Any]) -> Usage:
     prompt_details = raw.get("prompt_tokens_details") or {}
     completion_details = raw.get("completion_tokens_details") or {}

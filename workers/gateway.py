@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 
 from models.generation import operator_defaults
 from shared.deltas import (
@@ -59,7 +58,7 @@ from shared.deltas import (
 from shared.ir import Request, apply_defaults
 from shared.redact import redact_url
 from shared.settings import Settings
-from shared.upstream_chunks import UpstreamStream, upstream_error_message
+from shared.upstream_chunks import UpstreamStream, refusal
 from shared.upstream_request import chat_body, continue_body
 from workers.claims import ClaimLoop
 from workers.engine import Emission
@@ -272,14 +271,10 @@ class Gateway:
 
     async def _refused(self, request: Request, attempt: int, response: httpx.Response) -> None:
         raw = await response.aread()
-        try:
-            detail = upstream_error_message(orjson.loads(raw))
-        except orjson.JSONDecodeError:
-            detail = raw.decode(errors="replace")[:300]
         self.stats.upstream_errors += 1
-        kind = ErrorKind.INVALID_REQUEST if response.status_code < 500 else ErrorKind.INTERNAL
-        log.warning("request %s: the upstream answered %d", request.id, response.status_code)
-        self._put(request.id, Error(message=f"The upstream refused the request ({response.status_code}): {detail}", kind=kind, attempt=attempt))
+        kind, message = refusal(response.status_code, raw)
+        log.warning("request %s: the upstream answered %d: %s", request.id, response.status_code, raw[:500].decode(errors="replace"))
+        self._put(request.id, Error(message=message, kind=kind, attempt=attempt))
 
     def _note_failure(self, exc: Exception) -> None:
         self.stats.upstream_errors += 1

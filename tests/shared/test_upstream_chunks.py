@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from shared.deltas import Content, Error, Finish, FinishReason, StreamDelta, ToolCallArgs, ToolCallStart
-from shared.upstream_chunks import CUT_MESSAGE, UpstreamStream
+from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, StreamDelta, ToolCallArgs, ToolCallStart
+from shared.upstream_chunks import CUT_MESSAGE, UpstreamStream, refusal
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "upstream"
 STREAMS = sorted(p.stem for p in FIXTURES.glob("*.sse"))
@@ -110,3 +110,16 @@ def test_reasoning_refusal_and_logprobs_map_to_their_deltas() -> None:
     content = deltas[1]
     assert isinstance(content, Content) and content.logprobs[0].logprob == -0.5 and content.logprobs[0].top[1] == ("B", -1, -1.5)
     assert UpstreamStream().feed(b'data: {"choices": [{"index": 0, "delta": {"reasoning": "r"}}]}\n\n')[0].text == "r"  # type: ignore[union-attr]
+
+
+def test_an_upstream_refusal_is_told_in_our_words_leaking_neither_credentials_nor_internals() -> None:
+    internals = b'{"error": {"message": "Traceback: /srv/vllm/engine.py line 12, key sk-upstream-secret"}}'
+    assert refusal(429, b"slow down") == (ErrorKind.OVERLOADED, "The upstream is overloaded (429); retry shortly.")
+    assert refusal(503, internals)[0] is ErrorKind.OVERLOADED
+    for status in (401, 403, 500, 502):
+        kind, message = refusal(status, internals)
+        assert kind is ErrorKind.INTERNAL and str(status) in message
+        assert "Traceback" not in message and "sk-upstream-secret" not in message
+    kind, message = refusal(400, b'{"error": {"message": "This model\'s maximum context length is 4096 tokens.", "type": "BadRequestError"}}')
+    assert kind is ErrorKind.INVALID_REQUEST and message == "The upstream refused the request (400): This model's maximum context length is 4096 tokens."
+    assert refusal(422, b"not json at all") == (ErrorKind.INVALID_REQUEST, "The upstream refused the request (422): not json at all")
