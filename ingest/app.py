@@ -486,7 +486,18 @@ def _add_batch_routes(app: Application, api: Api, lines: BatchLines) -> None:
         ("DELETE", "/v1/messages/batches/:batch_id", anthropic, routes.delete_message_batch),
     ]
     for method, path, protocol, handler in table:
-        app.router.add(method, path, guarded(api, protocol, handler))
+        app.router.add(method, path, guarded(api, protocol, metered(api, handler)))
+
+
+def metered(api: Api, handler: Handler) -> Handler:
+    """`handler` after one request from the caller's rate limit (no tokens), as /tokenize: the files,
+    batches and stored-response routes do work and storage a key's limit must bound too."""
+
+    async def run(http: HttpRequest) -> Response:
+        await api.limiter.charge(caller_of(http), tokens=0)
+        return await handler(http)
+
+    return run
 
 
 def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
@@ -506,9 +517,9 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
         app.router.add_post(surface.path, guarded(api, surface.protocol, _bind(api.generate, surface)))
     app.router.add_post("/v1/messages/count_tokens", guarded(api, Protocol.ANTHROPIC_MESSAGES, api.count_tokens))
     stored = ResponseRoutes(api)
-    app.router.add_get("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, stored.get_response))
-    app.router.add_delete("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, stored.delete_response))
-    app.router.add_post("/v1/responses/:response_id/cancel", guarded(api, Protocol.OPENAI_RESPONSES, stored.cancel_response))
+    app.router.add_get("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, metered(api, stored.get_response)))
+    app.router.add_delete("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, metered(api, stored.delete_response)))
+    app.router.add_post("/v1/responses/:response_id/cancel", guarded(api, Protocol.OPENAI_RESPONSES, metered(api, stored.cancel_response)))
 
     lines = BatchLines(api, {s.protocol: s for s in SURFACES})
     _add_batch_routes(app, api, lines)

@@ -116,6 +116,10 @@ def test_count_tokens_takes_a_request_from_the_keys_rate_limit_the_same_bucket_g
     assert_rate_limited(post(server, "/v1/chat/completions", CHAT, key="count"), "openai")  # the counts used the key's requests up
     assert_rate_limited(post(server, "/tokenize", {"model": "m", "prompt": "hi"}, key="count"), "openai")  # metered too
     assert_rate_limited(post(server, "/detokenize", {"model": "m", "tokens": [1]}, key="count"), "openai")
+    headers = {"x-api-key": "count"}
+    for path in ("/v1/files", "/v1/batches", "/v1/messages/batches", "/v1/responses/resp_none"):  # files, batches, stored responses
+        listed = httpx.get(server.base_url + path, headers=headers, timeout=60)
+        assert_rate_limited(listed, "anthropic" if "messages" in path else "openai")
 
 
 # ---- input limits -------------------------------------------------------------------------------------
