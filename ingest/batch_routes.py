@@ -144,8 +144,11 @@ class BatchRoutes:
     # ---- OpenAI Files ---------------------------------------------------------------------------
 
     async def upload_file(self, http: HttpRequest) -> Response:
+        owner = self.caller(http)
+        await files.check_quota(self.redis, self.settings, owner, 1)  # a key already at its quota: refused before its body is read
         filename, purpose, data = await files.read_upload(http, self.settings)
-        return _json(await files.put(self.redis, self.settings, owner=self.caller(http), filename=filename, purpose=purpose, content=data))
+        await files.check_quota(self.redis, self.settings, owner, len(data))
+        return _json(await files.put(self.redis, self.settings, owner=owner, filename=filename, purpose=purpose, content=data))
 
     async def list_files(self, http: HttpRequest) -> Response:
         page = await files.listing(self.redis, owner=self.caller(http), purpose=_query(http, "purpose"), limit=_limit(http, 10_000, 10_000), after=_query(http, "after"))

@@ -3,7 +3,8 @@
 Owns: upload (multipart `file` + `purpose`), list, get, content and delete, each scoped to the caller
 (another key's file is a 404), and the storage helpers batch jobs use for their input and output files.
 A file is two keys (`shared.keys.file_meta` / `file_content`) with the retention TTL; its size is bounded
-by `--max-file-mb` (Redis holds strings up to 512 MB; the default 200 MB stays well under it).
+by `--max-file-mb` (Redis holds strings up to 512 MB; the default 200 MB stays well under it), and what one
+key keeps by `--max-files-mb-per-key` (checked at upload, `check_quota`).
 Must not: parse batch lines (ingest.batch_jobs does).
 """
 
@@ -55,6 +56,38 @@ async def put(redis: Redis, settings: Settings, *, owner: str, filename: str, pu
         pipe.zadd(keys.files_of(owner), {file_id: now})
         await pipe.execute()
     return doc
+
+
+async def stored_bytes(redis: Redis, owner: str) -> int:
+    """The bytes of every file `owner` keeps now (expired ones, whose meta is gone, are dropped from its
+    index on the way): one ZRANGE and one pipelined HGET per file."""
+    raw: Any = await redis.zrange(keys.files_of(owner), 0, -1)
+    ids = [i.decode() for i in raw]
+    if not ids:
+        return 0
+    async with redis.pipeline(transaction=False) as pipe:
+        for file_id in ids:
+            pipe.hget(keys.file_meta(file_id), "doc")
+        docs = await pipe.execute()
+    gone = [file_id for file_id, doc in zip(ids, docs, strict=True) if doc is None]
+    if gone:
+        await redis.zrem(keys.files_of(owner), *gone)
+    return sum(int(orjson.loads(doc)["bytes"]) for doc in docs if doc is not None)
+
+
+async def check_quota(redis: Redis, settings: Settings, owner: str, adding: int) -> None:
+    """A 413 when `owner`'s stored files plus `adding` bytes pass `--max-files-mb-per-key` (0: no cap).
+    Checked at upload (two concurrent uploads may both pass it by up to one file)."""
+    cap = settings.max_files_mb_per_key * 2**20
+    if cap and await stored_bytes(redis, owner) + adding > cap:
+        raise ApiError(
+            f"File storage quota exceeded: this key may keep {settings.max_files_mb_per_key} MB of files (--max-files-mb-per-key); "
+            "delete files (DELETE /v1/files/{file_id}) or wait for them to expire.",
+            status=413,
+            param="file",
+            kind="too_large",
+            code="storage_quota_exceeded",
+        )
 
 
 async def get(redis: Redis, file_id: str, *, owner: str) -> dict[str, Any]:

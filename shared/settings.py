@@ -254,6 +254,12 @@ class Settings:
     max_thinking_tokens: int = setting(0, WORKER, "Cap on every request's reasoning budget, tokens (0: no cap).")
     response_ttl: int = setting(30 * 86400, ENV, "seconds a stored Responses-API response is kept (store=true)")
     max_file_mb: int = setting(200, API, "Largest file POST /v1/files accepts, MB (batch input files).")
+    max_files_mb_per_key: int = setting(
+        2048,
+        API,
+        "Most MB of files one API key keeps stored at once (its uploads and its batches' output files, which are never "
+        "refused); an upload past it: 413 until files are deleted or expire (0: no cap).",
+    )
     batch_max_lines: int = setting(50_000, ENV, "most requests one batch may hold")
     batch_max_inflight: int = setting(8, API, "Lines of one batch queued or running at once; the rest wait, so interactive latency holds.")
     # prefix-cache isolation: auto (per key when API keys are set) | per-key | none (ingest.cache_salt)

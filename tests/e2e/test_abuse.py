@@ -42,7 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     args = [
         *("--workers", "1", "--api-key", KEY_A, "--api-key", KEY_B),
         *("--body-timeout", str(BODY_TIMEOUT), "--header-timeout", str(HEADER_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS)),
-        *("--max-stored-request-bytes", str(STORE_CAP), "--max-file-mb", "1"),
+        *("--max-stored-request-bytes", str(STORE_CAP), "--max-file-mb", "1", "--max-files-mb-per-key", "2"),
     ]
     live = start_server(tmp_path_factory.mktemp("abuse"), *args, env={"MET_PING_INTERVAL": str(PING_S)})
     yield live
@@ -254,6 +254,23 @@ def test_a_chunked_upload_past_the_file_limit_is_a_413_as_it_arrives(server: Liv
     assert error["code"] == "file_too_large" and error["param"] == "file"
     listed = httpx.get(server.base_url + "/v1/files", headers=headers(KEY_A), timeout=30).json()
     assert listed["data"] == []  # nothing stored
+
+
+def test_a_keys_stored_files_are_capped_and_other_keys_are_not_affected(server: LiveServer) -> None:
+    """--max-files-mb-per-key 2 with files of 0.9 MB: a key's third upload is a 413 naming the quota; another
+    key uploads as before; a deletion makes room again."""
+    nine_tenths = b"x" * (9 * 2**20 // 10)
+    with oai(server, KEY_A) as oai_a, oai(server, KEY_B) as oai_b:
+        kept = [oai_a.files.create(file=(f"f{i}.jsonl", nine_tenths), purpose="batch") for i in range(2)]
+        with pytest.raises(openai.APIStatusError) as refused:
+            oai_a.files.create(file=("f2.jsonl", nine_tenths), purpose="batch")
+        assert refused.value.status_code == 413 and refused.value.code == "storage_quota_exceeded"  # type: ignore[attr-defined]
+        assert "--max-files-mb-per-key" in refused.value.message
+        other = oai_b.files.create(file=("b.jsonl", nine_tenths), purpose="batch")  # its own quota
+        oai_a.files.delete(kept[0].id)
+        again = oai_a.files.create(file=("f3.jsonl", nine_tenths), purpose="batch")
+        for key_client, file_id in ((oai_a, kept[1].id), (oai_a, again.id), (oai_b, other.id)):
+            key_client.files.delete(file_id)
 
 
 def test_trickled_headers_are_cut_off_at_the_header_deadline(server: LiveServer) -> None:
