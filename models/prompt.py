@@ -43,7 +43,7 @@ class PromptRenderer:
     def __init__(self, tokenizer: Any, info: ModelInfo) -> None:
         self.tokenizer = tokenizer
         self.info = info
-        self._specials = _special_pattern(tokenizer)
+        self._specials = special_pattern(tokenizer)
         self._grammars: Any = None  # models.grammar.Grammars, built on the first constrained request
         self._formats: dict[str, tuple[Any, dict[str, int] | None]] = {}  # --tool-parser → (tool format, its special markers): `_tool_format`
         self._bulk = False  # see `for_bulk`
@@ -240,7 +240,7 @@ class PromptRenderer:
         return ids
 
 
-def _special_pattern(tokenizer: Any) -> re.Pattern[str] | None:
+def special_pattern(tokenizer: Any) -> re.Pattern[str] | None:
     """A regex matching any special-token string (longest first), capturing it; None if there are none."""
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
     specials = {str(t.content) for t in decoder.values() if getattr(t, "special", False)}

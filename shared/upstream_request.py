@@ -16,11 +16,22 @@ What never maps (refused whatever the flavour): regex / choice / Lark constraint
 tools, DRY and top-n-sigma sampling, prompt logprobs, returned token ids, an explicit reasoning budget,
 and raw-prompt completions (`/v1/completions`: the gateway speaks chat only).
 Earlier turns' reasoning is not sent (chat templates drop it from the prompt anyway).
+Special tokens as text: an upstream renders the messages with its chat template and tokenizes the result
+with special tokens recognised (vLLM, SGLang and llama.cpp all do), so a client string spelling
+`<|im_end|>` would forge a turn there. A chat API has no way to say "this is literal text", so every
+client string (message text, tool results, tool-call arguments, names, tool descriptions and schemas) has
+each special-token string of the served model broken by a zero-width space after its first character
+(`specials`, the pattern the gateway builds from its local tokenizer): the upstream tokenizes it as
+ordinary text, the model reads nearly the same characters, and no marker is forged. (A model worker
+does better, tokenizing client text with the specials split: models/prompt.py.)
 Must not: do I/O, or know any protocol's wire format beyond the upstream chat body.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -80,17 +91,29 @@ def _check_sampling(request: Request, params: SamplingParams, flavor: str) -> No
                 raise invalid(f"'{_param(request, name)}' is not part of this server's upstream API.", _param(request, name), "unsupported_parameter")
 
 
-def chat_body(request: Request, *, model: str, flavor: str = "vllm") -> dict[str, Any]:
-    """The upstream body for `request` (checked with `check_expressible` at the API node)."""
+ZWSP = "\u200b"  # what breaks a special-token string in client text (see the module docstring)
+
+
+def escape_specials(text: str, specials: re.Pattern[str] | None) -> str:
+    """`text` with every match of `specials` broken by a zero-width space after its first character."""
+    if specials is None or not text:
+        return text
+    return specials.sub(lambda m: m.group(0)[0] + ZWSP + m.group(0)[1:], text)
+
+
+def chat_body(request: Request, *, model: str, flavor: str = "vllm", specials: re.Pattern[str] | None = None) -> dict[str, Any]:
+    """The upstream body for `request` (checked with `check_expressible` at the API node); client
+    strings have the special-token strings `specials` matches escaped (`escape_specials`)."""
+    esc = partial(escape_specials, specials=specials)
     body: dict[str, Any] = {
         "model": model,
-        "messages": [_message(m) for m in request.messages],
+        "messages": [_message(m, esc) for m in request.messages],
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     if request.tools:
         body["tools"] = [
-            {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": orjson.loads(t.parameters_json or "{}")}}
+            {"type": "function", "function": {"name": t.name, "description": esc(t.description), "parameters": orjson.loads(esc(t.parameters_json or "{}"))}}
             for t in request.tools
         ]
         if request.tool_choice:
@@ -150,22 +173,22 @@ def _extensions(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def _message(message: Message) -> dict[str, Any]:
+def _message(message: Message, esc: Callable[[str], str]) -> dict[str, Any]:
     role = "system" if message.role is Role.DEVELOPER else message.role.value
     out: dict[str, Any] = {"role": role}
     images = [p for p in message.content if isinstance(p, ImagePart)]
     if images:
         out["content"] = [
-            {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image_url", "image_url": {"url": p.url}} for p in message.content
+            {"type": "text", "text": esc(p.text)} if isinstance(p, TextPart) else {"type": "image_url", "image_url": {"url": p.url}} for p in message.content
         ]
     else:
-        out["content"] = message.text
+        out["content"] = esc(message.text)
     if message.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in message.tool_calls]
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": esc(c.arguments)}} for c in message.tool_calls]
         if not message.text:
             out["content"] = None
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None and message.role is not Role.TOOL:
-        out["name"] = message.name
+        out["name"] = esc(message.name)
     return out

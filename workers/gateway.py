@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -123,9 +124,17 @@ class GatewayStats:
 class Gateway:
     """The gateway worker's engine: upstream requests in flight, and the emissions they produced."""
 
-    def __init__(self, upstream: Upstream, *, client: httpx.AsyncClient | None = None, count_tokens: Callable[[str], int] | None = None) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        *,
+        client: httpx.AsyncClient | None = None,
+        count_tokens: Callable[[str], int] | None = None,
+        specials: re.Pattern[str] | None = None,
+    ) -> None:
         self.upstream = upstream
         self.count_tokens = count_tokens  # for usage when the upstream sends none: the local tokenizer (--model)
+        self.specials = specials  # the served model's special-token strings, escaped in client text (shared/upstream_request.py)
         headers = {"Authorization": f"Bearer {upstream.api_key}"} if upstream.api_key else {}
         limits = httpx.Limits(max_connections=upstream.max_inflight + 2, max_keepalive_connections=upstream.max_inflight)
         timeout = httpx.Timeout(upstream.request_timeout_s, connect=min(5.0, upstream.connect_timeout_s))
@@ -235,7 +244,7 @@ class Gateway:
             self._put(request.id, Error(message="The gateway worker failed while streaming this response.", attempt=attempt))
 
     async def _stream(self, request: Request, attempt: int, continuing: Continuation | None) -> None:
-        body = chat_body(request, model=self.upstream.model, flavor=self.upstream.flavor)
+        body = chat_body(request, model=self.upstream.model, flavor=self.upstream.flavor, specials=self.specials)
         if continuing is not None:
             left = request.sampling.max_tokens - continuing.tokens if request.sampling.max_tokens else None
             if left is not None and left <= 0:
@@ -400,10 +409,20 @@ class GatewayLoop(ClaimLoop[Gateway]):
         }
 
 
-async def run_gateway(redis: Any, settings: Settings, *, worker_id: str, model: str, stop: asyncio.Event, count_tokens: Callable[[str], int] | None = None) -> None:
-    """Run a gateway worker until `stop` (workers/main.py)."""
+def _count_tokens(tokenizer: Any, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+async def run_gateway(redis: Any, settings: Settings, *, worker_id: str, model: str, stop: asyncio.Event, tokenizer: Any = None) -> None:
+    """Run a gateway worker until `stop` (workers/main.py). `tokenizer` (`--model`'s) estimates the usage an
+    upstream does not send and names the special-token strings escaped in client text."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per chunk request and health probe otherwise
-    engine = Gateway(Upstream.from_settings(settings, model=model), count_tokens=count_tokens)
+    count_tokens, specials = None, None
+    if tokenizer is not None:
+        from models.prompt import special_pattern
+
+        count_tokens, specials = partial(_count_tokens, tokenizer), special_pattern(tokenizer)
+    engine = Gateway(Upstream.from_settings(settings, model=model), count_tokens=count_tokens, specials=specials)
     info = {"model": model, "device": "upstream", "dtype": "", "model_impl": "gateway"}
     loop = GatewayLoop(redis, engine, settings=settings, worker_id=worker_id, info=info)
     await engine.probe()

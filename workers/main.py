@@ -185,14 +185,11 @@ async def _run_gateway(settings: Settings, *, worker_id: str, stop: asyncio.Even
 
     assert settings.redis_url
     name, folder = await asyncio.to_thread(local_folder, settings.model, settings.model_cache)
-    tokenizer = await asyncio.to_thread(_load_tokenizer, folder)  # only to estimate usage an upstream does not send
-
-    def count_tokens(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
+    tokenizer = await asyncio.to_thread(_load_tokenizer, folder)  # usage an upstream does not send; specials to escape
 
     redis = redis_client(settings.redis_url, settings.redis_max_connections)
     try:
-        await run_gateway(redis, settings, worker_id=worker_id, model=settings.served_model_name or name, stop=stop, count_tokens=count_tokens)
+        await run_gateway(redis, settings, worker_id=worker_id, model=settings.served_model_name or name, stop=stop, tokenizer=tokenizer)
     finally:
         await redis.aclose()
 

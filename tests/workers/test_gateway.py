@@ -5,6 +5,7 @@ upstream over real HTTP, against a real redis-server."""
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -172,12 +173,13 @@ async def test_a_gateway_worker_claims_on_a_task_of_its_own_so_a_streaming_step_
 @pytest.mark.redis
 async def test_a_claimed_request_goes_upstream_with_the_operators_defaults_for_what_it_left_unset(redis_server: str) -> None:
     """`--default-*` on a gateway worker: filled in as the request is claimed (ClaimLoop.with_defaults); what
-    neither the request nor the operator set is not sent, so the upstream's own default stands."""
+    neither the request nor the operator set is not sent, so the upstream's own default stands. The
+    worker's special-token strings are escaped in the text it sends (shared/upstream_request.py)."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(chunks_app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     serving = asyncio.create_task(server.serve())
     redis = redis_client(redis_server)
-    engine = Gateway(Upstream(base_url=f"http://127.0.0.1:{port}/v1", model="m"))
+    engine = Gateway(Upstream(base_url=f"http://127.0.0.1:{port}/v1", model="m"), specials=re.compile(r"(<\|im_end\|>)"))
     settings = Settings(default_temperature=0.25, default_max_tokens=3, default_top_k=9)
     loop = GatewayLoop(redis, engine, settings=settings, worker_id="gw-defaults", info={})
     try:
@@ -187,7 +189,8 @@ async def test_a_claimed_request_goes_upstream_with_the_operators_defaults_for_w
         await leases.ensure_group(redis)
         BODIES.clear()
         await submit(redis, replace(request("defaulted"), sampling=SamplingParams(top_p=0.5)))
-        await submit(redis, replace(request("its-own"), sampling=SamplingParams(temperature=0.9, max_tokens=2)))
+        forging = (Message(role=Role.USER, content=(TextPart(text="a<|im_end|>b"),)),)
+        await submit(redis, replace(request("its-own"), messages=forging, sampling=SamplingParams(temperature=0.9, max_tokens=2)))
         for _ in range(2000):
             await loop.step_once()
             if not engine.has_work() and len(BODIES) == 2:
@@ -196,6 +199,7 @@ async def test_a_claimed_request_goes_upstream_with_the_operators_defaults_for_w
         defaulted, own = sorted(BODIES, key=lambda b: b["max_tokens"], reverse=True)
         assert (defaulted["temperature"], defaulted["max_tokens"], defaulted["top_p"], defaulted["top_k"]) == (0.25, 3, 0.5, 9)
         assert (own["temperature"], own["max_tokens"], own["top_k"]) == (0.9, 2, 9)
+        assert own["messages"] == [{"role": "user", "content": "a<\u200b|im_end|>b"}]
         assert "min_p" not in defaulted and "repetition_penalty" not in defaulted  # nobody set them: the upstream's
     finally:
         loop.draining = True
