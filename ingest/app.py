@@ -35,7 +35,7 @@ from redis.exceptions import RedisError
 from bus.connect import connect
 from bus.tails import Tails
 from encoders.wire import ClientLink, Event, Numbered, Presence, Slotted, StreamEncoder, collect, fan_in, sse_events, sse_response, tail
-from ingest import anthropic_messages, responses_store, resume, tokenize
+from ingest import anthropic_messages, responses_store, resume, storage, tokenize
 from ingest.auth import CALLER, Authenticator, caller_of
 from ingest.batch_dispatch import BatchDispatcher
 from ingest.batch_routes import BatchLines, BatchRoutes
@@ -45,7 +45,7 @@ from ingest.errors import error_body, failure, status_for
 from ingest.limits import Charged, RateLimiter, check_stored_size, parse_json, read_body
 from ingest.metrics import CONTENT_TYPE, Metrics
 from ingest.models import ModelNames
-from ingest.publish import Origin, admit_and_submit, cancel
+from ingest.publish import LIFETIME_MARGIN_S, Admission, Origin, admit_and_submit, cancel
 from ingest.readiness import readiness
 from ingest.resume_routes import Followers, ResponseRoutes, recording, resume_choices, resume_stream
 from ingest.surfaces import SURFACES, Surface
@@ -101,6 +101,8 @@ class Api:
         self.open_requests = 0  # route calls in progress (a non-streamed answer is one until it is written)
         self.auth = Authenticator.from_settings(settings)
         self.limiter = RateLimiter(self.redis, settings)
+        self.quota = storage.Quota.from_settings(settings, margin_s=LIFETIME_MARGIN_S)  # per-key storage (ingest.storage)
+        self._making_room: dict[str, asyncio.Task[None]] = {}  # owner → its eviction in progress
         self.metrics = Metrics(self.redis, heartbeat_ttl=settings.heartbeat_ttl)
         self.followers = Followers()  # background responses being saved
         self._relaxations_logged: set[str] = set()
@@ -176,9 +178,9 @@ class Api:
     async def publish(self, parts: list[Request], encoded: list[bytes], *, owner: str, client: str = "") -> None:
         """Admit (queue depth) and XADD every part of a request (`encoded`: their records), or refuse before anything is queued."""
         try:
-            limit, timeout = self.settings.max_queue, self.settings.request_timeout
-            admitted = await admit_and_submit(self.redis, parts, limit, request_timeout=timeout, origin=Origin(owner, client), encoded=encoded)
-            if not admitted:
+            admission = Admission(self.settings.max_queue, self.settings.request_timeout, self.quota)
+            stored = await admit_and_submit(self.redis, parts, admission, origin=Origin(owner, client), encoded=encoded)
+            if stored < 0:
                 raise ApiError(
                     f"The server is at its queue limit ({self.settings.max_queue} requests); retry shortly.",
                     status=429,
@@ -189,6 +191,16 @@ class Api:
         except RedisError as exc:
             log.error("redis unavailable: %s", type(exc).__name__)
             raise ApiError("The request queue is unavailable; try again shortly.", status=503, kind="unavailable", code="queue_unavailable") from None
+        self.make_room(owner, stored)
+
+    def make_room(self, owner: str, stored: int) -> None:
+        """Past its storage cap, drop what of `owner`'s records expires first (ingest.storage), on a task of its
+        own (one per owner at a time): the request that brought it past is not held up."""
+        if not self.quota.cap or stored <= self.quota.cap or owner in self._making_room:
+            return
+        task = asyncio.create_task(storage.enforce(self.redis, owner, self.quota.cap, stored, evicted=self.metrics.stored_evicted))
+        self._making_room[owner] = task
+        task.add_done_callback(lambda _: self._making_room.pop(owner, None))
 
     def deadline(self, request: Request) -> float:
         """When a stream with no terminal event yet ends with a timeout error (a worker's own deadline is `request_timeout`)."""

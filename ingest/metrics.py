@@ -197,6 +197,9 @@ class Metrics:
         self.prompt_tokens = Counter("met_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("met_generation_tokens", "Generated tokens of finished requests.", registry=r)
         self.http_errors = Counter("met_http_errors", "HTTP error responses by status.", ["status"], registry=r)
+        self.stored_evicted = Counter(
+            "met_stored_evicted", "Stored request records and responses dropped early for a key past --max-stored-mb-per-key.", ["kind"], registry=r
+        )
         self.queue_time = Histogram("met_request_queue_time_seconds", "Time from acceptance to a worker's claim.", registry=r, buckets=_LATENCY)
         self.ttft = Histogram("met_time_to_first_token_seconds", "Time from acceptance to the first output delta at the API.", registry=r, buckets=_TTFT)
         self.itl = LoopHistogram("met_inter_token_latency_seconds", "Time between output tokens, as the API receives them.", _ITL, r)

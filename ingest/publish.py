@@ -13,6 +13,7 @@ from redis.exceptions import RedisError, WatchError
 
 from bus import cancels
 from bus.connect import is_cluster
+from ingest import storage
 from ingest.auth import ANONYMOUS
 from shared import keys
 from shared.codec import ID_FIELD, QUEUED, REQUEST_FIELD, STREAM_MARKER, VERSION, Meta, encode_request, request_entry
@@ -158,17 +159,20 @@ async def admit(redis: Redis, request_ids: list[str], limit: int, *, request_tim
 
 
 # Admission and submission in one call (a single server: the keys of every part and the global ones may
-# be named together). KEYS: inflight, index, request stream, then per part ir, meta, deltas. ARGV: limit,
-# stale before, now, owner, client, then per part id, encoded IR, protocol, model, endpoint. As `admit`, then for
-# each part what `_queue` does, in its order; -1 (nothing written) when the queue is full.
-_ADMIT_AND_SUBMIT = f"""
+# be named together). KEYS: inflight, index, request stream, the owner's storage ledger (index, sizes:
+# ingest.storage), then per part ir, meta, deltas. ARGV: limit, stale before, now, owner, client, ledger
+# keep ('': no ledger), record lifetime, then per part id, encoded IR, protocol, model, endpoint. As `admit`,
+# then for each part what `_queue` does, in its order, and its record into the ledger; -1 (nothing
+# written) when the queue is full, else the owner's stored bytes (0 with no ledger).
+_ADMIT_AND_SUBMIT = storage.LEDGER_LUA + f"""
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[2])
-local parts = (#KEYS - 3) / 3
+local parts = (#KEYS - 5) / 3
 if redis.call('ZCARD', KEYS[1]) + parts > tonumber(ARGV[1]) then return -1 end
 local now, owner, client = ARGV[3], ARGV[4], ARGV[5]
+local entries = {{}}
 for p = 0, parts - 1 do
-  local ir, meta, deltas = KEYS[4 + p * 3], KEYS[5 + p * 3], KEYS[6 + p * 3]
-  local a = 6 + p * 5
+  local ir, meta, deltas = KEYS[6 + p * 3], KEYS[7 + p * 3], KEYS[8 + p * 3]
+  local a = 8 + p * 5
   local id, encoded = ARGV[a], ARGV[a + 1]
   redis.call('ZADD', KEYS[1], now, id)
   redis.call('SET', ir, encoded)
@@ -179,32 +183,60 @@ for p = 0, parts - 1 do
   end
   redis.call('ZADD', KEYS[2], now, id)
   redis.call('XADD', KEYS[3], '*', 'v', '{VERSION}', '{ID_FIELD}', id, '{REQUEST_FIELD}', encoded)
+  entries[#entries + 1] = '{storage.RECORD}' .. id
+  entries[#entries + 1] = string.len(encoded)
+  entries[#entries + 1] = tonumber(now) + tonumber(ARGV[7])
 end
-return redis.call('ZCARD', KEYS[1])
+if ARGV[6] == '' then return 0 end
+return ledger(KEYS[4], KEYS[5], now, ARGV[6], entries)
 """
 
 
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What admission checks a request against: the queue limit, how long a request may live (ids older are
+    stale), and the per-key storage quota (ingest.storage; None or a zero cap: no ledger)."""
+
+    limit: int
+    request_timeout: float
+    quota: storage.Quota | None = None
+
+
 async def admit_and_submit(
-    redis: Redis, parts: list[Request], limit: int, *, request_timeout: float, origin: Origin | None = None, encoded: list[bytes] | None = None
-) -> bool:
-    """`admit` every part and `submit` each, or nothing when the queue is full (False). One round trip and
+    redis: Redis, parts: list[Request], admission: Admission, *, origin: Origin | None = None, encoded: list[bytes] | None = None
+) -> int:
+    """`admit` every part and `submit` each, or nothing when the queue is full (-1). One round trip and
     one atomic script on a single server (the API node's per-request Redis work: before, a script and a
     six-command pipeline); on a cluster, whose keys hash apart, `admit` then `submit_all`. `encoded`: the
-    parts' records when the caller has them already."""
+    parts' records when the caller has them already. With a quota (its cap set) each part's record goes
+    into the owner's storage ledger (ingest.storage) and the owner's stored bytes are returned (else 0):
+    the caller makes room when they pass the cap."""
     owner, client = (origin.owner, origin.client) if origin else (ANONYMOUS, "")
+    records = encoded or [encode_request(p) for p in parts]
+    limit, request_timeout, quota = admission.limit, admission.request_timeout, admission.quota
+    ledger = quota is not None and quota.cap > 0
     if is_cluster(redis):
         if not await admit(redis, [p.id for p in parts], limit, request_timeout=request_timeout):
-            return False
+            return -1
         await submit_all(redis, parts, owner=owner, client=client)
-        return True
+        if not ledger:
+            return 0
+        assert quota is not None
+        expiry = time.time() + quota.record_s
+        entries = [(storage.RECORD + p.id, len(r), expiry) for p, r in zip(parts, records, strict=True)]
+        try:  # the parts are queued: a ledger that misses one is only generous
+            return await storage.record(redis, owner, entries, keep_s=quota.keep_s)
+        except RedisError:
+            return 0
     now = time.time()
-    script_keys = [keys.INFLIGHT, keys.REQUEST_INDEX, keys.REQUEST_STREAM]
+    script_keys = [keys.INFLIGHT, keys.REQUEST_INDEX, keys.REQUEST_STREAM, keys.stored_index(owner), keys.stored_sizes(owner)]
     args: list[Any] = [limit, now - request_timeout - LIFETIME_MARGIN_S, now, owner, client]
-    for part, record in zip(parts, encoded or [encode_request(p) for p in parts], strict=True):
+    args += (quota.keep_s, quota.record_s) if ledger and quota is not None else ("", 0)
+    for part, record in zip(parts, records, strict=True):
         script_keys += (keys.request_ir(part.id), keys.request_meta(part.id), keys.delta_stream(part.id))
         args += (part.id, record, part.protocol.value, part.model, part.endpoint)
     script = redis.register_script(_ADMIT_AND_SUBMIT)  # EVALSHA, loaded on the first NOSCRIPT
-    return int(await script(keys=script_keys, args=args)) >= 0
+    return int(await script(keys=script_keys, args=args))
 
 
 async def release(redis: Redis, request_ids: list[str]) -> None:

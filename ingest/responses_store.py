@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -24,9 +25,10 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from encoders.openai_responses import ResponseAccumulator, response_id
+from ingest import storage
 from ingest.auth import owns
 from ingest.openai_responses import previous_response_id, store_flag
-from ingest.publish import cancel, owner_of
+from ingest.publish import LIFETIME_MARGIN_S, cancel, owner_of
 from shared import keys
 from shared.codec import VERSION, decode_request, deltas_of, message_from_dict, message_to_dict
 from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart, is_terminal
@@ -58,9 +60,14 @@ def assistant_turn(deltas: list[StreamDelta], custom: frozenset[str] = frozenset
     )
 
 
-async def save(redis: Redis, response_id: str, *, body: dict[str, Any], conversation: list[Message], owner: str, ttl: int) -> None:
-    doc = {"v": VERSION, "body": body, "conversation": [message_to_dict(m) for m in conversation], "owner": owner}
-    await redis.set(keys.stored_response(response_id), orjson.dumps(doc), ex=ttl)
+async def save(redis: Redis, response_id: str, *, body: dict[str, Any], conversation: list[Message], owner: str, quota: storage.Quota) -> None:
+    """Store the response for `quota.response_s`, entered in `owner`'s storage ledger when the quota caps
+    it (ingest.storage: the key's next request makes room if this took it past its cap)."""
+    doc = orjson.dumps({"v": VERSION, "body": body, "conversation": [message_to_dict(m) for m in conversation], "owner": owner})
+    ttl = int(quota.response_s)
+    await redis.set(keys.stored_response(response_id), doc, ex=ttl)
+    if quota.cap:
+        await storage.record(redis, owner, [(storage.RESPONSE + response_id, len(doc), time.time() + ttl)], keep_s=quota.keep_s)
 
 
 async def load(redis: Redis, response_id: str, *, caller: str, param: str | None = None) -> tuple[dict[str, Any], list[Message]]:
@@ -169,7 +176,8 @@ async def begin(redis: Redis, settings: Settings, body: Any, parsed: Request, ca
         if acc.error is None:
             conversation = [m for m in final.messages if m is not instructions] + [assistant_turn(deltas, custom_tools(final))]
             try:
-                await save(redis, response_id(final), body=acc.body(), conversation=conversation, owner=caller, ttl=settings.response_ttl)
+                quota = storage.Quota.from_settings(settings, margin_s=LIFETIME_MARGIN_S)
+                await save(redis, response_id(final), body=acc.body(), conversation=conversation, owner=caller, quota=quota)
             except RedisError as exc:  # the client still gets its terminal event; GET rebuilds it from the deltas
                 log.error("could not store response %s: %s", response_id(final), type(exc).__name__)
 

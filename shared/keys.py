@@ -176,6 +176,19 @@ def files_of(owner: str) -> str:
     return f"{PREFIX}:files:{owner}"
 
 
+def stored_index(owner: str) -> str:
+    """Sorted set of what an owner's requests keep stored (members `r:<request id>`, a request record;
+    `s:<response id>`, a stored response), score: when it expires. Writers: ingest.publish (with each
+    admission), ingest.responses_store, ingest.storage (prunes, evicts). Reader: ingest.storage."""
+    return f"{PREFIX}:stored:{{{owner}}}:index"
+
+
+def stored_sizes(owner: str) -> str:
+    """Hash: each member of `stored_index(owner)` → its bytes, and `#total` → their sum (same slot).
+    Writers and reader: as `stored_index`."""
+    return f"{PREFIX}:stored:{{{owner}}}:sizes"
+
+
 def batch_doc(batch_id: str) -> str:
     """JSON of one batch job (protocol, status, timestamps, owner, ids of its files). Writers: the create,
     cancel and delete routes and the dispatcher (ingest.batch_dispatch). Readers: the batch routes, `met batch`,

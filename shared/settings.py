@@ -254,6 +254,13 @@ class Settings:
     max_thinking_tokens: int = setting(0, WORKER, "Cap on every request's reasoning budget, tokens (0: no cap).")
     response_ttl: int = setting(30 * 86400, ENV, "seconds a stored Responses-API response is kept (store=true)")
     max_file_mb: int = setting(200, API, "Largest file POST /v1/files accepts, MB (batch input files).")
+    max_stored_mb_per_key: float = setting(
+        1024.0,
+        API,
+        "Most MB one API key's requests keep stored: request records (the IR of each request, kept --dump-ttl for dumps, "
+        "replay and resume) and stored Responses (store=true). Past it the key's records that expire first are "
+        "dropped early, finished ones only, as it sends more; 0: no cap.",
+    )
     max_files_mb_per_key: int = setting(
         2048,
         API,

@@ -9,6 +9,7 @@ gap in a stream is the API node's event loop, not the worker's pace)."""
 from __future__ import annotations
 
 import itertools
+import re
 import socket
 import threading
 import time
@@ -22,13 +23,15 @@ import openai
 import orjson
 import pytest
 
+from ingest.auth import caller_id
 from shared import keys
 
-from ..conftest import LiveServer, start_server, stop_server
+from ..conftest import LiveServer, start_server, stop_server, wait_for
 
 pytestmark = pytest.mark.e2e
 
-KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
+KEY_A, KEY_B, KEY_C = "key-a-0123456789", "key-b-9876543210", "key-c-5555555555"
+STORED_MB = 0.3  # --max-stored-mb-per-key
 BODY_TIMEOUT, HEADER_TIMEOUT, MAX_CONNECTIONS = 2.0, 3.0, 12
 STORE_CAP = 400_000
 PING_S = 0.2
@@ -40,7 +43,7 @@ PROMPT = "List the numbers from 1 to 30, separated by commas."
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     args = [
-        *("--workers", "1", "--api-key", KEY_A, "--api-key", KEY_B),
+        *("--workers", "1", "--api-key", KEY_A, "--api-key", KEY_B, "--api-key", KEY_C, "--max-stored-mb-per-key", str(STORED_MB)),
         *("--body-timeout", str(BODY_TIMEOUT), "--header-timeout", str(HEADER_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS)),
         *("--max-stored-request-bytes", str(STORE_CAP), "--max-file-mb", "1", "--max-files-mb-per-key", "2"),
     ]
@@ -273,6 +276,32 @@ def test_a_keys_stored_files_are_capped_and_other_keys_are_not_affected(server: 
             key_client.files.delete(file_id)
 
 
+def test_a_keys_stored_records_are_capped_by_dropping_its_oldest_finished_ones(server: LiveServer) -> None:
+    """--max-stored-mb-per-key 0.3: key C's six requests of ~24 KB of text (records of ~90 KB: the IR holds
+    the body, the messages and the token ids) keep at most 0.3 MB stored; as it sends them its oldest
+    finished records are dropped (their IR, meta and deltas gone early, counted in /metrics), the newest
+    stay, and key A's records are untouched."""
+    r = server.redis()
+    text = "hello world, this is some text. " * 750  # ~24 KB, one prompt (its prefill is cached after the first)
+    with oai(server, KEY_A) as a:
+        theirs = a.chat.completions.create(model="m", messages=[{"role": "user", "content": text}], max_tokens=1).id.removeprefix("chatcmpl-")
+    ids = []
+    with oai(server, KEY_C) as c:
+        for i in range(6):
+            reply = c.chat.completions.create(model="m", messages=[{"role": "user", "content": f"{text}{i}"}], max_tokens=1)
+            ids.append(reply.id.removeprefix("chatcmpl-"))
+    kept = lambda: [bool(r.exists(keys.request_ir(rid))) for rid in ids]  # noqa: E731
+    sizes = keys.stored_sizes(caller_id(KEY_C))
+    wait_for("key C's records to fit its cap", lambda: int(r.hget(sizes, "#total") or 0) <= STORED_MB * 2**20, timeout=30)
+    left = kept()
+    assert left == sorted(left) and 2 <= sum(left) <= 4, left  # the oldest went first; the newest stay
+    assert sum(int(r.hget(sizes, f"r:{rid}") or 0) for rid, k in zip(ids, left, strict=True) if k) <= STORED_MB * 2**20
+    assert not r.exists(keys.request_meta(ids[0]), keys.delta_stream(ids[0]))
+    assert r.exists(keys.request_ir(theirs))  # another key's record stays
+    metrics = httpx.get(server.base_url + "/metrics", headers=headers(KEY_A), timeout=10).text
+    assert re.search(r'^met_stored_evicted_total\{kind="record"\} ([2-9]|\d\d)', metrics, re.MULTILINE), metrics
+
+
 def test_trickled_headers_are_cut_off_at_the_header_deadline(server: LiveServer) -> None:
     sock = connect(server)
     sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
@@ -318,8 +347,10 @@ def test_connections_past_the_cap_are_refused_with_a_503_and_served_again_once_o
 
 
 @pytest.mark.timeout(1200)
-def test_four_30_mib_count_tokens_do_not_stall_a_running_stream(server: LiveServer) -> None:
-    """The four 30 MiB count_tokens do not stall an already-running stream. With PING_S keep-alives the
+def test_four_30_mib_count_tokens_then_a_30_mib_message_batch_do_not_stall_a_running_stream(server: LiveServer) -> None:
+    """The four 30 MiB count_tokens, and then a message batch of one 30 MiB request dispatched (its
+    prompt parsed and rendered, then refused as longer than the context: an `errored` result), all from
+    key B, do not stall key A's already-running stream. With PING_S keep-alives the
     stream is never silent for long on its own, so a long gap is the API node's event loop: tokenizing
     30 MiB on it took 25-35 s before the fix. The bound is on what the counts add to the same stream's
     largest gap over a quiet minute just before. The issue's own figure is < 1 s, and on a quiet machine
@@ -329,7 +360,9 @@ def test_four_30_mib_count_tokens_do_not_stall_a_running_stream(server: LiveServ
     still fails a tokenization on the loop by an order of magnitude. Where the work runs is checked
     without a clock in tests/ingest/test_tokenizing.py: in a child process, at a lower priority.
     On CI the four counts once outlasted the whole 8,000-token stream (no measurement), so the reader
-    runs one stream after another and gaps are taken inside each."""
+    runs one stream after another and gaps are taken inside each. The batch's line is rendered on the
+    large tokenizing lane as batch lines are (ingest.batch_routes.BatchLines.prepare); before that it was
+    rendered on the event loop."""
     huge = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello world, this is some text. " * (30 * 2**20 // 32)}]})
     body = {"model": "m", "messages": [{"role": "user", "content": "Write a very long story."}], "max_tokens": 8000, "ignore_eos": True, "stream": True}
     streams: list[list[float]] = []  # each stream's line arrival times: gaps are measured inside one stream
@@ -375,15 +408,30 @@ def test_four_30_mib_count_tokens_do_not_stall_a_running_stream(server: LiveServ
         )
         return reply.status_code, reply.json()
 
+    def message_batch() -> dict[str, Any]:
+        params = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello world, this is some text. " * (30 * 2**20 // 32)}]}
+        created = httpx.post(
+            server.base_url + "/v1/messages/batches",
+            content=orjson.dumps({"requests": [{"custom_id": "huge", "params": params}]}),
+            headers={**headers(KEY_B), "content-type": "application/json"},
+            timeout=300,
+        )
+        assert created.status_code == 200, created.text
+        url = f"{server.base_url}/v1/messages/batches/{created.json()['id']}"
+        wait_for("the 30 MiB message batch to end", lambda: httpx.get(url, headers=headers(KEY_B), timeout=30).json()["processing_status"] == "ended", timeout=600)
+        return dict(orjson.loads(httpx.get(url + "/results", headers=headers(KEY_B), timeout=60).text.splitlines()[0]))
+
     start = time.monotonic()
     with ThreadPoolExecutor(4) as pool:
         counted = list(pool.map(lambda _: count(), range(4)))
+    result = message_batch()
     end = time.monotonic()
     still_reading = reader.is_alive()
     done.set()
     reader.join(150)
     assert all(status == 200 and answer["input_tokens"] > 7_000_000 for status, answer in counted), counted
+    assert result["custom_id"] == "huge" and result["result"]["type"] == "errored", result  # longer than the context
     assert still_reading and not failures, f"the streams stopped before the four counts ended: no measurement {failures}"
     worst, lines = largest_gap(start, end)
-    print(f"largest gap {worst:.2f} s over {end - start:.0f} s of counting ({len(streams)} streams); {baseline:.2f} s over the quiet {QUIET_S:.0f} s before")
+    print(f"largest gap {worst:.2f} s over {end - start:.0f} s of counting and the batch ({len(streams)} streams); {baseline:.2f} s over the quiet {QUIET_S:.0f} s before")
     assert lines > 10 and worst < baseline + ADDED_GAP_S, f"largest gap {worst:.2f} s over {end - start:.0f} s, against {baseline:.2f} s before"
