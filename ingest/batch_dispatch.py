@@ -5,7 +5,8 @@ Each `step_once()`: for every batch not ended (`BATCHES_ACTIVE`), take or renew 
 the batch), then advance it: collect the lines whose request reached its terminal event (the result is
 the same final JSON a non-streaming client gets, stored once per `custom_id`), queue more lines up to
 `--batch-max-inflight` at the batch priority, and once every line has its result write the output.
-State lives in Redis only; what a node keeps in memory (`_Job`) is rebuilt from Redis on takeover:
+State lives in Redis only; what a node keeps in memory (`_Job`: the lines in flight and the positions of the
+rest, never the whole input) is rebuilt from Redis on takeover, a page of lines at a time:
 lines with a result are done, lines whose request id (derived from batch id + custom_id) is already
 queued are in flight — so no line is queued twice and none is lost, whatever restarts.
 Cancel (and expiry) stop queueing, cancel what is in flight, and give every unfinished line a
@@ -20,6 +21,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,8 +29,8 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from ingest import batch_jobs, files
-from ingest.publish import cancel, is_queued, submit_batch_line
+from ingest import batch_jobs, files, storage
+from ingest.publish import LIFETIME_MARGIN_S, cancel, is_queued, submit_batch_line
 from shared import keys
 from shared.codec import delta_of, deltas_of
 from shared.deltas import Finish, StreamDelta, is_terminal
@@ -71,11 +73,20 @@ class LineRunner(Protocol):
     def unrun(self, doc: dict[str, Any], line: dict[str, Any], request_id: str, outcome: str) -> dict[str, Any]: ...
 
 
+READ_AHEAD = 32  # lines read from Redis at once as they are about to be queued
+PAGE = 500  # lines read at once on takeover and when writing the output
+
+
 @dataclass
 class _Job:
-    lines: dict[str, dict[str, Any]]  # custom_id → line
-    todo: deque[str]  # custom_ids neither finished nor queued, in input order
-    sizes: dict[str, int] = field(default_factory=dict)  # custom_id → the line's stored bytes (picks its tokenizing lane)
+    """What a node keeps of a batch it leads: the positions of the lines still to queue, and the lines in
+    flight (their bodies, for their results). Never the whole input: a line's body is read from Redis
+    (keys.batch_lines) when it is about to be queued, READ_AHEAD at a time, and dropped once its result is in."""
+
+    todo: deque[int]  # positions (in keys.batch_lines) of lines neither finished nor queued, in input order
+    lines: dict[str, dict[str, Any]] = field(default_factory=dict)  # custom_id → line, of lines in flight
+    sizes: dict[str, int] = field(default_factory=dict)  # custom_id → the line's stored bytes (picks its tokenizing lane), in flight
+    ahead: dict[int, tuple[dict[str, Any], int]] = field(default_factory=dict)  # position → (line, bytes) read ahead of `todo`
     inflight: dict[str, str] = field(default_factory=dict)  # request id → custom_id
     requests: dict[str, Request] = field(default_factory=dict)  # request id → IR (for the result body)
     cancel_sent: bool = False
@@ -90,6 +101,7 @@ class BatchDispatcher:
         self.node_id = node_id
         self.jobs: dict[str, _Job] = {}
         self._lease = redis.register_script(_LEASE)
+        self.quota = storage.Quota.from_settings(settings, margin_s=LIFETIME_MARGIN_S)  # a line's record counts to its key's storage
 
     async def run(self, stop: asyncio.Event, interval: float = 0.2) -> None:
         down_since: float | None = None  # an outage is logged when it starts and when it ends, not every step
@@ -142,21 +154,40 @@ class BatchDispatcher:
             await self._finalize(doc, stopping)
 
     async def _load(self, batch_id: str) -> _Job:
-        raw: Any = await self.redis.lrange(keys.batch_lines(batch_id), 0, -1)
-        lines = [orjson.loads(r) for r in raw]
-        done: Any = await self.redis.hkeys(keys.batch_results(batch_id))
-        finished = {d.decode() for d in done}
-        job = _Job(lines={line["custom_id"]: line for line in lines}, todo=deque(), sizes={line["custom_id"]: len(r) for line, r in zip(lines, raw, strict=True)})
-        for line in lines:
-            cid = line["custom_id"]
-            if cid in finished:
-                continue
-            rid = batch_jobs.line_request_id(batch_id, cid)
-            if await is_queued(self.redis, rid):
-                job.inflight[rid] = cid  # queued by an earlier dispatcher: wait for it, never queue it again
-            else:
-                job.todo.append(cid)
+        """The job as Redis has it, read a page of lines at a time: lines with a result are done, lines whose
+        request is queued are in flight (kept, for their results), the rest are to do (their positions)."""
+        job = _Job(todo=deque())
+        count = int(await self.redis.llen(keys.batch_lines(batch_id)))
+        for start in range(0, count, PAGE):
+            raw: Any = await self.redis.lrange(keys.batch_lines(batch_id), start, start + PAGE - 1)
+            lines = [orjson.loads(r) for r in raw]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for line in lines:
+                    pipe.hexists(keys.batch_results(batch_id), line["custom_id"])
+                    pipe.exists(keys.request_ir(batch_jobs.line_request_id(batch_id, line["custom_id"])))
+                found = await pipe.execute()
+            for k, (line, r) in enumerate(zip(lines, raw, strict=True)):
+                finished, queued = found[2 * k], found[2 * k + 1]
+                cid = line["custom_id"]
+                if finished:
+                    continue
+                if queued:  # queued by an earlier dispatcher: wait for it, never queue it again
+                    job.inflight[batch_jobs.line_request_id(batch_id, cid)] = cid
+                    job.lines[cid], job.sizes[cid] = line, len(r)
+                else:
+                    job.todo.append(start + k)
         return job
+
+    async def _head(self, batch_id: str, job: _Job) -> tuple[dict[str, Any], int]:
+        """The line at the head of `todo` and its bytes, read with the next READ_AHEAD lines when not read yet."""
+        position = job.todo[0]
+        if position not in job.ahead:
+            raw: Any = await self.redis.lrange(keys.batch_lines(batch_id), position, position + READ_AHEAD - 1)
+            job.ahead = {position + k: (orjson.loads(r), len(r)) for k, r in enumerate(raw)}
+        return job.ahead[position]
+
+    def _done_with_head(self, job: _Job) -> None:
+        job.ahead.pop(job.todo.popleft(), None)
 
     async def _collect(self, doc: dict[str, Any], job: _Job, stopping: str | None) -> None:
         """Record the result of every in-flight line whose request has ended."""
@@ -190,6 +221,8 @@ class BatchDispatcher:
             await batch_jobs.record_result(self.redis, doc["id"], cid, outcome=outcome, result=result, tokens=tokens)
             del job.inflight[rid]
             job.requests.pop(rid, None)
+            job.lines.pop(cid, None)
+            job.sizes.pop(cid, None)
 
     async def _queue_more(self, doc: dict[str, Any], job: _Job) -> None:
         """Queue lines while the batch, its key and the batch pool have room (`--batch-max-inflight`,
@@ -201,26 +234,31 @@ class BatchDispatcher:
         owner = doc["owner"]
         key_room = self.settings.batch_max_queue_per_key - sum(len(j.inflight) for j in self.jobs.values() if j.owner == owner)
         while job.todo and len(job.inflight) < self.settings.batch_max_inflight and min(room, key_room) > 0:
-            cid = job.todo[0]  # taken off `todo` only once Redis holds it: a Redis error leaves the line to the next step
-            line = job.lines[cid]
+            line, size = await self._head(doc["id"], job)  # off `todo` only once Redis holds it: a Redis error leaves it to the next step
+            cid = line["custom_id"]
             rid = batch_jobs.line_request_id(doc["id"], cid)
             try:
-                request = await self.runner.prepare(doc, line, rid, size=job.sizes.get(cid, 0))
+                request = await self.runner.prepare(doc, line, rid, size=size)
             except ApiError as err:
                 if err.kind == "overloaded":
                     break  # the tokenizer's large lane is full (interactive bodies share it): the line waits for a later step
                 await batch_jobs.record_result(self.redis, doc["id"], cid, outcome="errored", result=self.runner.refused(doc, line, rid, err))
-                job.todo.popleft()
+                self._done_with_head(job)
                 continue
             queued = await submit_batch_line(self.redis, request, owner=owner, lease=(keys.batch_lease(doc["id"]), self.node_id))
             if not queued and not await is_queued(self.redis, rid):
                 log.warning("batch %s: lease lost to another node; it drives the batch now", doc["id"])
                 self.jobs.pop(doc["id"], None)
                 return
-            job.todo.popleft()
+            self._done_with_head(job)
             job.inflight[rid] = cid  # queued now, or by the node that held the lease meanwhile: its result is collected the same way
             job.requests[rid] = request
+            job.lines[cid], job.sizes[cid] = line, size
             room, key_room = room - 1, key_room - 1
+            if queued and self.quota.cap:  # its record, counted as the line's bytes, in the key's storage ledger
+                entry = (storage.RECORD + rid, size, time.time() + self.quota.record_s)
+                stored = await storage.record(self.redis, owner, [entry], keep_s=self.quota.keep_s)
+                await storage.enforce(self.redis, owner, self.quota.cap, stored)
 
     async def _stop(self, doc: dict[str, Any], job: _Job, outcome: str) -> None:
         """Cancel what runs (its result comes through `_collect`); every line not started gets `outcome`."""
@@ -229,10 +267,10 @@ class BatchDispatcher:
                 await cancel(self.redis, rid)
             job.cancel_sent = True
         while job.todo:
-            cid = job.todo[0]
-            rid = batch_jobs.line_request_id(doc["id"], cid)
-            await batch_jobs.record_result(self.redis, doc["id"], cid, outcome=outcome, result=self.runner.unrun(doc, job.lines[cid], rid, outcome))
-            job.todo.popleft()
+            line, _ = await self._head(doc["id"], job)
+            rid = batch_jobs.line_request_id(doc["id"], line["custom_id"])
+            await batch_jobs.record_result(self.redis, doc["id"], line["custom_id"], outcome=outcome, result=self.runner.unrun(doc, line, rid, outcome))
+            self._done_with_head(job)
 
     async def _finalize(self, doc: dict[str, Any], stopping: str | None) -> None:
         now = int(time.time())
@@ -241,7 +279,7 @@ class BatchDispatcher:
         if doc["protocol"] == batch_jobs.OPENAI:
             await batch_jobs.update(self.redis, self.settings, doc["id"], only_from=LIVE, status="finalizing", finalizing_at=now)
             results = await batch_jobs.results(self.redis, doc["id"])
-            ordered = [results[cid] for cid in self.jobs[doc["id"]].lines if cid in results]
+            ordered = [results[cid] async for cid in self._custom_ids(doc["id"]) if cid in results]
             for name, wanted in (("output_file_id", True), ("error_file_id", False)):
                 chosen = [r["result"] for r in ordered if (r["outcome"] == "succeeded") is wanted]
                 if chosen:
@@ -251,6 +289,14 @@ class BatchDispatcher:
         await batch_jobs.update(self.redis, self.settings, doc["id"], only_from=(*LIVE, "finalizing"), **changes)
         log.info("batch %s %s", doc["id"], status)
         await self._end(doc["id"])
+
+    async def _custom_ids(self, batch_id: str) -> AsyncIterator[str]:
+        """The batch's custom_ids in input order, read a page of lines at a time."""
+        count = int(await self.redis.llen(keys.batch_lines(batch_id)))
+        for start in range(0, count, PAGE):
+            raw: Any = await self.redis.lrange(keys.batch_lines(batch_id), start, start + PAGE - 1)
+            for r in raw:
+                yield orjson.loads(r)["custom_id"]
 
     async def _end(self, batch_id: str) -> None:
         self.jobs.pop(batch_id, None)

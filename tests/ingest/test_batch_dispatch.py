@@ -14,6 +14,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
+import orjson
 import pytest
 from redis.asyncio import Redis
 
@@ -41,8 +42,12 @@ class RecordingLines(BatchLines):
         return replace(make_request(request_id), priority=10)
 
 
-def job_of(*cids: str, size: int) -> batch_dispatch._Job:
-    return batch_dispatch._Job(lines={c: {"custom_id": c} for c in cids}, todo=deque(cids), sizes=dict.fromkeys(cids, size), owner="k")
+async def job_of(redis: Redis, batch_id: str, *cids: str, size: int, todo: list[int] | None = None) -> batch_dispatch._Job:
+    """A job with lines `cids` (each `size` bytes, stored as a batch's lines are) to do: all, or those at `todo`."""
+    if not await redis.exists(keys.batch_lines(batch_id)):
+        pad = max(0, size - len(orjson.dumps({"custom_id": cids[0], "pad": ""})))
+        await redis.rpush(keys.batch_lines(batch_id), *(orjson.dumps({"custom_id": c, "pad": "x" * pad}) for c in cids))
+    return batch_dispatch._Job(todo=deque(range(len(cids)) if todo is None else todo), owner="k")
 
 
 @pytest.mark.parametrize("size", [100, 30 * 2**20], ids=["small", "30MiB"])
@@ -51,8 +56,8 @@ def test_lines_are_prepared_on_a_tokenizing_thread_never_on_the_event_loop(redis
         redis = Redis.from_url(redis_server)
         runner = RecordingLines(Settings())
         dispatcher = BatchDispatcher(redis, Settings(), runner=runner, node_id="off-loop")
-        job = job_of("a", "b", size=size)
         doc = {"id": f"batch_offloop{time.monotonic_ns()}", "owner": "k"}
+        job = await job_of(redis, doc["id"], "a", "b", size=size)
         await redis.set(keys.batch_lease(doc["id"]), "off-loop")
         await dispatcher._queue_more(doc, job)
         assert sorted(job.inflight.values()) == ["a", "b"]
@@ -68,12 +73,12 @@ def test_a_large_line_that_finds_the_large_lane_full_waits_and_is_not_errored(re
         settings = Settings(tokenize_queue=1)
         runner = RecordingLines(settings)
         dispatcher = BatchDispatcher(redis, settings, runner=runner, node_id="busy-lane")
-        job = job_of("big", size=LARGE_BODY_BYTES + 1)
         doc = {"id": f"batch_busy{time.monotonic_ns()}", "owner": "k"}
+        job = await job_of(redis, doc["id"], "big", size=LARGE_BODY_BYTES + 1)
         await redis.set(keys.batch_lease(doc["id"]), "busy-lane")
         runner.api.tokenizing._large_jobs = 1  # an interactive 30 MiB body holds the one place on the large lane
         await dispatcher._queue_more(doc, job)
-        assert list(job.todo) == ["big"] and not job.inflight and not runner.threads
+        assert list(job.todo) == [0] and not job.inflight and not runner.threads
         assert not await redis.hlen(keys.batch_results(doc["id"]))
         runner.api.tokenizing._large_jobs = 0  # it finished
         await dispatcher._queue_more(doc, job)
@@ -93,17 +98,17 @@ def test_a_node_that_lost_the_lease_queues_nothing_and_a_queued_line_is_not_queu
         lease = keys.batch_lease(doc["id"])
         node_b = BatchDispatcher(redis, Settings(), runner=RecordingLines(Settings()), node_id="node-b")
         await redis.set(lease, "node-b")
-        b_job = job_of("a", size=100)
+        b_job = await job_of(redis, doc["id"], "a", "b", size=100, todo=[0])
         await node_b._queue_more(doc, b_job)
         assert list(b_job.inflight.values()) == ["a"]
         before = await redis.xlen(keys.REQUEST_STREAM)
         node_a = BatchDispatcher(redis, Settings(), runner=RecordingLines(Settings()), node_id="node-a")
-        node_a.jobs[doc["id"]] = a_job = job_of("a", "b", size=100)
+        node_a.jobs[doc["id"]] = a_job = await job_of(redis, doc["id"], "a", "b", size=100)
         await node_a._queue_more(doc, a_job)
         assert await redis.xlen(keys.REQUEST_STREAM) == before  # nothing queued: not "a" again, not "b"
         assert doc["id"] not in node_a.jobs  # it stops driving the batch
         await redis.set(lease, "node-a")  # A leads again later (B died): "a" is queued, so it is followed, not resent
-        a_job = job_of("a", "b", size=100)
+        a_job = await job_of(redis, doc["id"], "a", "b", size=100)
         await node_a._queue_more(doc, a_job)
         assert await redis.xlen(keys.REQUEST_STREAM) == before + 1  # only "b"
         assert sorted(a_job.inflight.values()) == ["a", "b"]
@@ -126,6 +131,43 @@ def test_batch_record_changes_are_compare_and_set(redis_server: str) -> None:
         await batch_jobs.update(redis, settings, bid, only_from=("validating", "in_progress", "cancelling"), status="completed")
         after = await batch_jobs.update(redis, settings, bid, only_from=("validating", "in_progress"), status="cancelling")
         assert after["status"] == "completed" and (await batch_jobs.load(redis, bid))["status"] == "completed"
+        await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+class UnrunLines(RecordingLines):
+    def unrun(self, doc: dict[str, Any], line: dict[str, Any], request_id: str, outcome: str) -> dict[str, Any]:
+        return {"custom_id": line["custom_id"], "outcome": outcome}
+
+
+def test_a_node_holds_only_the_lines_in_flight_and_a_read_ahead_never_the_whole_input(redis_server: str) -> None:
+    """Takeover of a 3,000-line batch (1,000 with results, 10 queued by the node before): the job keeps the
+    10 lines in flight and the positions of the rest; queueing reads lines a few at a time; a cancel
+    gives every remaining line its result reading pages. Before, the node held all 3,000 lines."""
+
+    async def scenario() -> None:
+        redis = Redis.from_url(redis_server)
+        settings = Settings(batch_max_inflight=16)
+        runner = UnrunLines(settings)
+        dispatcher = BatchDispatcher(redis, settings, runner=runner, node_id="lean")
+        record = {"protocol": batch_jobs.OPENAI, "owner": "k", "endpoint": "/v1/chat/completions"}
+        doc = await batch_jobs.create(redis, settings, record=record, lines=[{"custom_id": f"c{i}", "body": {"pad": "x" * 200}} for i in range(3000)])
+        for i in range(1000):
+            await batch_jobs.record_result(redis, doc["id"], f"c{i}", outcome="succeeded", result={})
+        await redis.set(keys.batch_lease(doc["id"]), "lean")
+        for i in range(1000, 1010):  # queued by the node that led the batch before
+            assert await batch_dispatch.submit_batch_line(redis, replace(make_request(batch_jobs.line_request_id(doc["id"], f"c{i}")), priority=10), owner="k")
+        job = await dispatcher._load(doc["id"])
+        assert sorted(job.lines) == sorted(f"c{i}" for i in range(1000, 1010)) and len(job.inflight) == 10
+        assert list(job.todo) == list(range(1010, 3000)) and not job.ahead
+        await dispatcher._queue_more(doc, job)
+        assert len(job.inflight) == 16 and len(job.lines) == 16 and len(job.ahead) <= batch_dispatch.READ_AHEAD
+        assert sorted(job.inflight.values()) == sorted(f"c{i}" for i in range(1000, 1016))
+        job.cancel_sent = True  # (the in-flight lines' cancels are not what this test looks at)
+        await dispatcher._stop(doc, job, "canceled")
+        assert not job.todo and not job.ahead
+        assert await redis.hlen(keys.batch_results(doc["id"])) == 1000 + 3000 - 1016
         await redis.aclose()
 
     asyncio.run(scenario())

@@ -84,12 +84,13 @@ def test_a_redis_error_while_queueing_a_line_leaves_it_for_the_next_step(redis_s
     async def scenario() -> None:
         redis = Redis.from_url(redis_server)
         dispatcher = BatchDispatcher(redis, Settings(), runner=OneLineRunner(), node_id="flaky")  # type: ignore[arg-type]
-        job = batch_dispatch._Job(lines={"line-1": {"custom_id": "line-1"}}, todo=deque(["line-1"]), owner="k")
         doc = {"id": f"batch_flaky{time.monotonic_ns()}", "owner": "k"}
+        await redis.rpush(keys.batch_lines(doc["id"]), b'{"custom_id": "line-1"}')
+        job = batch_dispatch._Job(todo=deque([0]), owner="k")
         await redis.set(keys.batch_lease(doc["id"]), "flaky")  # this node leads the batch
         with pytest.raises(RedisConnectionError):
             await dispatcher._queue_more(doc, job)
-        assert list(job.todo) == ["line-1"] and not job.inflight  # still to do: nothing lost
+        assert list(job.todo) == [0] and not job.inflight  # still to do: nothing lost
         await dispatcher._queue_more(doc, job)  # the next step
         assert not job.todo and list(job.inflight.values()) == ["line-1"]
         await redis.aclose()
