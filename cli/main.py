@@ -72,7 +72,7 @@ def _option(meta: Flag, kind: Any) -> Any:
 
 
 def _settings(**overrides: object) -> Settings:
-    for name in ("api_keys", "model_alias"):  # repeated flags: Settings holds them comma-separated
+    for name in (f.name for f in fields(Settings) if f.metadata["flag"].repeat):  # repeated flags: Settings holds them comma-separated
         if isinstance(overrides.get(name), list):
             overrides[name] = ",".join(overrides[name]) or None  # type: ignore[arg-type]
     settings = Settings.from_env(os.environ).with_overrides(**overrides).cluster_url()

@@ -37,15 +37,14 @@ from shared.codec import DELTA_FIELD, CodecError
 from shared.deltas import StreamDelta
 from shared.dumps import Comparison, DumpRecord, compare, read_records
 from shared.ir import Protocol
+from shared.protocols import specs
 from shared.redact import redact_url
 from shared.settings import Settings
 
-PROTOCOLS = {
-    "openai": Protocol.OPENAI_CHAT,
-    "anthropic": Protocol.ANTHROPIC_MESSAGES,
-    "responses": Protocol.OPENAI_RESPONSES,
-    **{p.value: p for p in Protocol},
-}
+
+def protocol_named(name: str) -> Protocol | None:
+    """A registered protocol by its `met replay --as` name (shared.protocols) or its own value."""
+    return next((s.protocol for s in specs() if name in (s.name, s.protocol.value)), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,9 +227,10 @@ def run(file: str, options: ReplayOptions) -> None:
 
 def encode_only(file: str, *, protocol: str | None, output: str | None) -> None:
     """Write the records' deltas as SSE bytes of `protocol` (default: each record's own) to `output` or stdout."""
-    chosen = PROTOCOLS.get(protocol.lower()) if protocol else None
+    chosen = protocol_named(protocol.lower()) if protocol else None
     if protocol and chosen is None:
-        raise typer.BadParameter(f"unknown protocol {protocol!r}; use openai, anthropic or responses", param_hint="--protocol")
+        names = ", ".join(s.name for s in specs())
+        raise typer.BadParameter(f"unknown protocol {protocol!r}; use one of {names}", param_hint="--protocol")
     data = b"".join(encode_sse(r.request, r.deltas, chosen or r.request.protocol) for r in load_file(file))
     if output:
         Path(output).write_bytes(data)

@@ -3,28 +3,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
 
-from encoders.anthropic_messages import MessagesStreamEncoder
 from encoders.frames import Frame
-from encoders.openai_chat import ChatStreamEncoder
-from encoders.openai_completions import CompletionStreamEncoder
-from encoders.openai_responses import ResponsesStreamEncoder
+from encoders.registry import codec
 from shared.deltas import StreamDelta
 from shared.ir import Protocol, Request
 
-STREAM_ENCODERS: dict[Protocol, Callable[[Request], Any]] = {
-    Protocol.OPENAI_CHAT: ChatStreamEncoder,
-    Protocol.ANTHROPIC_MESSAGES: MessagesStreamEncoder,
-    Protocol.OPENAI_RESPONSES: ResponsesStreamEncoder,
-    Protocol.OPENAI_COMPLETIONS: CompletionStreamEncoder,
-}
-
 
 def encode_frames(request: Request, deltas: Iterable[StreamDelta], protocol: Protocol) -> list[Frame]:
-    encoder = STREAM_ENCODERS[protocol](replace(request, protocol=protocol))
+    encoder = codec(protocol).stream_encoder(replace(request, protocol=protocol))
     frames: list[Frame] = []
     for delta in deltas:
         frames += encoder.feed(delta)

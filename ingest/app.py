@@ -48,7 +48,7 @@ from ingest.models import ModelNames
 from ingest.publish import LIFETIME_MARGIN_S, Admission, Origin, admit_and_submit, cancel
 from ingest.readiness import readiness
 from ingest.resume_routes import Followers, ResponseRoutes, recording, resume_choices, resume_stream
-from ingest.surfaces import SURFACES, Surface
+from ingest.surfaces import Surface, load_protocol_modules, surfaces
 from ingest.tokenizing import Tokenizing
 from models.prompt import PromptRenderer
 from shared import keys
@@ -473,7 +473,7 @@ def _scope(http: HttpRequest) -> dict[str, Any]:
 def _protocol_of_path(http: HttpRequest) -> Protocol:
     """The error shape for an unmatched path: the protocol whose routes it falls under (OpenAI's otherwise)."""
     path = http.url.path.decode(errors="replace").lower()
-    return next((s.protocol for s in SURFACES if path.startswith(s.path)), Protocol.OPENAI_CHAT)
+    return next((s.protocol for s in surfaces() if path.startswith(s.path)), Protocol.OPENAI_CHAT)
 
 
 def _add_batch_routes(app: Application, api: Api, lines: BatchLines) -> None:
@@ -513,6 +513,7 @@ def metered(api: Api, handler: Handler) -> Handler:
 
 
 def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
+    load_protocol_modules(m.strip() for m in settings.protocol_modules.split(",") if m.strip())  # they register their rows
     api = Api(settings, renderer)
     app = Application()
     app.router.add_get("/health", guarded(api, Protocol.OPENAI_CHAT, api.health, public=True))
@@ -525,7 +526,7 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     app.router.add_get("/v1/models/*", guarded(api, Protocol.OPENAI_CHAT, api.model))
     app.router.add_post("/tokenize", guarded(api, Protocol.OPENAI_CHAT, api.tokenize))
     app.router.add_post("/detokenize", guarded(api, Protocol.OPENAI_CHAT, api.detokenize))
-    for surface in SURFACES:
+    for surface in surfaces():
         app.router.add_post(surface.path, guarded(api, surface.protocol, _bind(api.generate, surface)))
     app.router.add_post("/v1/messages/count_tokens", guarded(api, Protocol.ANTHROPIC_MESSAGES, api.count_tokens))
     stored = ResponseRoutes(api)
@@ -533,7 +534,7 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     app.router.add_delete("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, metered(api, stored.delete_response)))
     app.router.add_post("/v1/responses/:response_id/cancel", guarded(api, Protocol.OPENAI_RESPONSES, metered(api, stored.cancel_response)))
 
-    lines = BatchLines(api, {s.protocol: s for s in SURFACES})
+    lines = BatchLines(api, {s.protocol: s for s in surfaces()})
     _add_batch_routes(app, api, lines)
 
     async def not_found(http: HttpRequest) -> Response:

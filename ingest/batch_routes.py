@@ -28,13 +28,7 @@ from ingest.errors import error_body, failure
 from shared.deltas import Finish, FinishReason, StreamDelta
 from shared.errors import ApiError, invalid
 from shared.ir import Protocol, Request
-
-_ENDPOINT_PROTOCOL = {
-    "/v1/chat/completions": Protocol.OPENAI_CHAT,
-    "/v1/responses": Protocol.OPENAI_RESPONSES,
-    "/v1/completions": Protocol.OPENAI_COMPLETIONS,
-    "/v1/messages": Protocol.ANTHROPIC_MESSAGES,
-}
+from shared.protocols import specs
 
 
 def _json(body: Any, status: int = 200) -> Response:
@@ -71,7 +65,7 @@ class BatchLines:
         self.surfaces = surfaces
 
     def _surface(self, doc: dict[str, Any]) -> Any:
-        return self.surfaces[_ENDPOINT_PROTOCOL[doc["endpoint"]]]
+        return self.surfaces[next(s.protocol for s in specs() if s.path == doc["endpoint"])]
 
     def check(self, endpoint: str, body: dict[str, Any]) -> None:
         """Validation at creation: the line's body goes through the route's parser and prompt checks."""

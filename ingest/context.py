@@ -28,13 +28,7 @@ from dataclasses import dataclass
 
 from shared.errors import invalid
 from shared.ir import Protocol
-
-# (the prompt's field, the output limit's field) as each OpenAI-style protocol names them.
-FIELDS = {
-    Protocol.OPENAI_CHAT: ("messages", "max_tokens"),
-    Protocol.OPENAI_RESPONSES: ("input", "max_output_tokens"),
-    Protocol.OPENAI_COMPLETIONS: ("prompt", "max_tokens"),
-}
+from shared.protocols import ANTHROPIC_ERRORS, spec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,9 +46,10 @@ def fit_max_tokens(protocol: Protocol, prompt_tokens: int, max_tokens: int | Non
     """The `max_tokens` to queue the request with (None: up to the context, as the worker resolves it), or
     an `ApiError` in the protocol's wording when the prompt cannot fit, or `max_tokens` cannot while strict."""
     limit = policy.context
-    prompt_field, limit_field = FIELDS.get(protocol, ("messages", "max_tokens"))
+    row = spec(protocol)  # its wording: Anthropic's messages, or OpenAI's naming the protocol's own fields
+    prompt_field, limit_field, anthropic = row.prompt_param, row.max_tokens_param, row.errors == ANTHROPIC_ERRORS
     if prompt_tokens >= limit:
-        if protocol is Protocol.ANTHROPIC_MESSAGES:
+        if anthropic:
             # the context, as OpenAI's message says it; a prompt of exactly the context leaves no output token
             # and still reads "n > m" (Claude Code parses both numbers)
             maximum = limit if prompt_tokens > limit else limit - 1
@@ -66,7 +61,7 @@ def fit_max_tokens(protocol: Protocol, prompt_tokens: int, max_tokens: int | Non
         )
     room = limit - prompt_tokens
     if max_tokens is not None and max_tokens > room and policy.strict:
-        if protocol is Protocol.ANTHROPIC_MESSAGES:
+        if anthropic:
             raise invalid(
                 f"input length and `max_tokens` exceed context limit: {prompt_tokens} + {max_tokens} > {limit}, "
                 "decrease input length or `max_tokens` and try again",

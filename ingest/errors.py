@@ -13,6 +13,7 @@ from typing import Any
 from shared.deltas import Error, ErrorKind
 from shared.errors import ApiError
 from shared.ir import Protocol
+from shared.protocols import ANTHROPIC_ERRORS, spec
 
 _OPENAI_TYPES = {
     "invalid_request": "invalid_request_error",
@@ -41,7 +42,8 @@ _ANTHROPIC_TYPES = {
 
 
 def error_body(protocol: Protocol, err: ApiError) -> dict[str, Any]:
-    if protocol is Protocol.ANTHROPIC_MESSAGES:
+    """`err` in the error-body shape of `protocol` (its spec's `errors`: OpenAI's or Anthropic's)."""
+    if spec(protocol).errors == ANTHROPIC_ERRORS:
         message = f"{err.param}: {err.message}" if err.param and err.param not in err.message else err.message
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(err.kind, "api_error"), "message": message}}
     return {"error": {"message": err.message, "type": _OPENAI_TYPES.get(err.kind, "server_error"), "param": err.param, "code": err.code}}
@@ -49,7 +51,7 @@ def error_body(protocol: Protocol, err: ApiError) -> dict[str, Any]:
 
 def status_for(protocol: Protocol, err: ApiError) -> int:
     if err.kind == "overloaded":
-        return 529 if protocol is Protocol.ANTHROPIC_MESSAGES else 503
+        return 529 if spec(protocol).errors == ANTHROPIC_ERRORS else 503
     return err.status
 
 

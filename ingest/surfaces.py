@@ -1,30 +1,36 @@
-"""The generation routes' per-protocol rows: everything that differs between protocols on a generation
-(the path, the parser, the encoders, keep-alive, how n choices combine, the protocol's own state).
+"""The generation routes' per-protocol rows, and the registry every protocol joins: everything that
+differs between protocols on a generation (the path, the parser, the encoders, keep-alive, how n choices
+combine, the protocol's own state).
 
-A protocol is its parser (`ingest/<protocol>.py`), its encoder (`encoders/<protocol>.py`) and its row here.
+A protocol is its parser (`ingest/<protocol>.py`), its encoder (`encoders/<protocol>.py`) and its row:
+`register(Surface(spec=ProtocolSpec(...), codec=Codec(...), parse=...))`. The built-in four are below; a
+protocol module named by `--protocol-module` registers its own as it is imported (`load_protocol_modules`,
+before the app is built), and is then served, dumped, replayed and re-encoded like them
+(tests/e2e/toy_protocol.py is one).
 Must not: do I/O itself (a row's `session` is the protocol's own store, called by the app).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import importlib
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 from typing import Protocol as Protocol_
 
 from redis.asyncio import Redis
 
-from encoders import anthropic_messages as messages_enc
-from encoders import openai_chat as chat_enc
-from encoders import openai_completions as completions_enc
-from encoders import openai_responses as response_enc
+from encoders import registry
 from encoders.fan_in import FanInEncoder
 from encoders.frames import Frame
+from encoders.registry import Codec, register_codec
 from ingest import anthropic_messages, openai_chat, openai_completions, openai_responses, responses_store
 from ingest.responses_store import Saver
 from models.prompt import PromptRenderer
+from shared import protocols
 from shared.deltas import Error, StreamDelta
 from shared.ir import Protocol, Request
+from shared.protocols import ProtocolSpec, register_spec
 from shared.settings import Settings
 
 
@@ -44,63 +50,92 @@ async def _no_session(_redis: Redis, _settings: Settings, _body: Any, request: R
     return request, None
 
 
-def _no_ping(_: Any) -> Callable[[], list[Frame]]:
-    return lambda: []
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Surface:
-    """Everything that differs between protocols on the generation routes: the path, the parser, the
-    encoders, keep-alive, how n choices combine, and the protocol's own state around a generation
-    (`session`: e.g. Responses' stored conversations). A protocol is its parser, its encoder and its row here."""
+    """A protocol's row: its pure spec (shared.protocols: route, names, error shape, context wording, finish
+    column), its codec (encoders.registry: the encoders and its stream reader) and the HTTP side kept here:
+    the parser, the protocol's own state around a generation (`session`: e.g. Responses' stored
+    conversations), whether it answers in the background, and how one body becomes several requests.
+    Adding a protocol is a parser, an encoder and `register(Surface(...))` (e.g. from a `--protocol-module`)."""
 
-    protocol: Protocol
-    path: str
+    spec: ProtocolSpec
+    codec: Codec
     parse: Callable[..., Request]
-    stream_encoder: Callable[[Request], Any]
-    accumulator: Callable[[Request], Accumulator]
-    ping: Callable[[Any], Callable[[], list[Frame]]] = _no_ping
-    combine: Callable[[Request, list[Any]], dict[str, Any]] = lambda _request, accs: accs[0].body()
     session: Session = _no_session
     background: Callable[[Any], bool] = lambda _body: False  # answered at once, generated detached from the client
     expand: Callable[[Any, Request, PromptRenderer], list[Request]] = lambda _body, request, _renderer: [request]  # e.g. one request per prompt
-    choices_encoder: Callable[[Request, list[Request]], FanInEncoder] | None = None  # a stream of several choices, where the protocol has them
+
+    @property
+    def protocol(self) -> Protocol:
+        return self.spec.protocol
+
+    @property
+    def path(self) -> str:
+        return self.spec.path
+
+    @property
+    def stream_encoder(self) -> Callable[[Request], Any]:
+        return self.codec.stream_encoder
+
+    @property
+    def accumulator(self) -> Callable[[Request], Accumulator]:
+        return self.codec.accumulator
+
+    @property
+    def ping(self) -> Callable[[Any], Callable[[], list[Frame]]]:
+        return self.codec.ping
+
+    @property
+    def combine(self) -> Callable[[Request, list[Any]], dict[str, Any]]:
+        return self.codec.combine
+
+    @property
+    def choices_encoder(self) -> Callable[[Request, list[Request]], FanInEncoder] | None:  # a stream of several choices, where the protocol has them
+        return self.codec.choices_encoder
 
 
-CHAT = Surface(
-    protocol=Protocol.OPENAI_CHAT,
-    path="/v1/chat/completions",
-    parse=openai_chat.parse,
-    stream_encoder=chat_enc.ChatStreamEncoder,
-    accumulator=chat_enc.ChatCompletionAccumulator,
-    combine=chat_enc.chat_completion_body,
-    choices_encoder=chat_enc.choices_encoder,
+_REGISTERED: dict[Protocol, Surface] = {}
+
+
+def register(surface: Surface) -> Surface:
+    """Add a protocol: its spec and codec to the pure registries (so dumps, replay and re-encoding know it)
+    and its row to the routes every API node built after this serves."""
+    if surface.codec.protocol is not surface.spec.protocol:
+        raise ValueError(f"a row's codec ({surface.codec.protocol!r}) and spec ({surface.spec.protocol!r}) name different protocols")
+    register_spec(surface.spec)
+    register_codec(surface.codec)
+    _REGISTERED[surface.protocol] = surface
+    return surface
+
+
+def surfaces() -> tuple[Surface, ...]:
+    """Every registered protocol's row: the built-in four, then those protocol modules added."""
+    return tuple(_REGISTERED.values())
+
+
+def load_protocol_modules(names: Iterable[str]) -> None:
+    """Import each `--protocol-module` (a dotted module path): importing it registers its protocol."""
+    for name in names:
+        importlib.import_module(name)
+
+
+CHAT = register(Surface(spec=protocols.CHAT, codec=registry.CHAT, parse=openai_chat.parse))
+MESSAGES = register(Surface(spec=protocols.MESSAGES, codec=registry.MESSAGES, parse=anthropic_messages.parse))
+RESPONSES = register(
+    Surface(
+        spec=protocols.RESPONSES,
+        codec=registry.RESPONSES,
+        parse=openai_responses.parse,
+        session=responses_store.begin,
+        background=lambda body: isinstance(body, dict) and openai_responses.background_flag(body),
+    )
 )
-MESSAGES = Surface(
-    protocol=Protocol.ANTHROPIC_MESSAGES,
-    path="/v1/messages",
-    parse=anthropic_messages.parse,
-    stream_encoder=messages_enc.MessagesStreamEncoder,
-    accumulator=messages_enc.MessageAccumulator,
-    ping=lambda encoder: lambda: [encoder.ping()],
+COMPLETIONS = register(
+    Surface(
+        spec=protocols.COMPLETIONS,
+        codec=registry.COMPLETIONS,
+        parse=openai_completions.parse,
+        expand=lambda body, request, renderer: openai_completions.per_prompt(body, request, renderer.decode),
+    )
 )
-RESPONSES = Surface(
-    protocol=Protocol.OPENAI_RESPONSES,
-    path="/v1/responses",
-    parse=openai_responses.parse,
-    stream_encoder=response_enc.ResponsesStreamEncoder,
-    accumulator=response_enc.ResponseAccumulator,
-    session=responses_store.begin,
-    background=lambda body: isinstance(body, dict) and openai_responses.background_flag(body),
-)
-COMPLETIONS = Surface(
-    protocol=Protocol.OPENAI_COMPLETIONS,
-    path=openai_completions.ENDPOINT,
-    parse=openai_completions.parse,
-    stream_encoder=completions_enc.CompletionStreamEncoder,
-    accumulator=completions_enc.CompletionAccumulator,
-    combine=completions_enc.completion_body,
-    choices_encoder=completions_enc.choices_encoder,
-    expand=lambda body, request, renderer: openai_completions.per_prompt(body, request, renderer.decode),
-)
-SURFACES = (CHAT, MESSAGES, RESPONSES, COMPLETIONS)
+SURFACES = (CHAT, MESSAGES, RESPONSES, COMPLETIONS)  # the built-in rows

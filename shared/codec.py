@@ -164,7 +164,7 @@ def decode_request(raw: bytes | str) -> Request:
 def request_from_dict(doc: dict[str, Any]) -> Request:
     _check_version(doc)
     kwargs = {f.name: doc[f.name] for f in fields(Request) if f.name in doc}
-    kwargs["protocol"] = Protocol(kwargs["protocol"])
+    kwargs["protocol"] = Protocol.define(kwargs["protocol"])  # a protocol module's own name too: workers need no row for it
     kwargs["messages"] = tuple(message_from_dict(m) for m in kwargs["messages"])
     kwargs["sampling"] = _sampling_from_dict(kwargs.get("sampling", {}))
     kwargs["tools"] = tuple(_tool_from_dict(t) for t in kwargs.get("tools", ()))

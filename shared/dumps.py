@@ -21,6 +21,7 @@ from shared import codec
 from shared.codec import Meta
 from shared.deltas import Content, Error, Finish, Reasoning, Refusal, StreamDelta, ToolCallArgs, ToolCallStart, is_terminal
 from shared.ir import Protocol, Request
+from shared.protocols import spec
 from shared.redact import REDACTED, is_secret, redact
 
 DUMP_VERSION = 1
@@ -170,14 +171,7 @@ def terminal_label(deltas: Sequence[StreamDelta], protocol: Protocol | None = No
         return "error" if protocol else f"error:{last.kind.value}"
     if not isinstance(last, Finish):
         return "unfinished"
-    if protocol in (Protocol.OPENAI_CHAT, Protocol.OPENAI_COMPLETIONS):
-        return last.reason.openai
-    if protocol is Protocol.ANTHROPIC_MESSAGES:
-        return last.reason.anthropic
-    if protocol is Protocol.OPENAI_RESPONSES:
-        reason = last.reason.responses_incomplete_reason
-        return last.reason.responses_status + (f" ({reason})" if reason else "")
-    return last.reason.value
+    return spec(protocol).finish_label(last.reason) if protocol is not None else last.reason.value
 
 
 def compare(recorded: Sequence[StreamDelta], new: Sequence[StreamDelta], *, protocol: Protocol | None = None) -> Comparison:

@@ -7,17 +7,67 @@ Must not: know any protocol's field names (parsers in ingest/ map onto these), o
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
-class Protocol(enum.StrEnum):
-    """The API surface a request arrived on; encoders are chosen by it."""
+class _Protocols(type):
+    """Iteration and `len` over the protocols defined so far, as over an enum's members."""
 
-    OPENAI_CHAT = "openai_chat"
-    ANTHROPIC_MESSAGES = "anthropic_messages"
-    OPENAI_RESPONSES = "openai_responses"
-    OPENAI_COMPLETIONS = "openai_completions"
+    def __iter__(cls) -> Iterator[Protocol]:
+        return iter(list(Protocol._known.values()))
+
+    def __len__(cls) -> int:
+        return len(Protocol._known)
+
+
+class Protocol(str, metaclass=_Protocols):
+    """The API surface a request arrived on, by its wire name ("openai_chat"); encoders are chosen by it.
+
+    An open set, not an enum: the four below are built in, and a protocol module defines its own
+    (`Protocol.define`, called by shared.protocols.register), so adding a protocol edits no table here.
+    Each name has one instance (`Protocol(name)` returns it, or raises ValueError for a name never
+    defined), so `is` compares them and `.value` is the name, as with the enum this was."""
+
+    __slots__ = ()
+    _known: ClassVar[dict[str, Protocol]] = {}
+    OPENAI_CHAT: ClassVar[Protocol]
+    ANTHROPIC_MESSAGES: ClassVar[Protocol]
+    OPENAI_RESPONSES: ClassVar[Protocol]
+    OPENAI_COMPLETIONS: ClassVar[Protocol]
+
+    def __new__(cls, value: str) -> Protocol:
+        known = cls._known.get(str(value))
+        if known is None:
+            raise ValueError(f"{value!r} is not a known protocol")
+        return known
+
+    @classmethod
+    def define(cls, value: str) -> Protocol:
+        """The protocol named `value`, defined now if it is new."""
+        known = cls._known.get(value)
+        if known is None:
+            if not value or not value.replace("_", "").isalnum():
+                raise ValueError(f"a protocol name is letters, digits and '_': {value!r}")
+            known = cls._known[value] = str.__new__(cls, value)
+        return known
+
+    @property
+    def value(self) -> str:
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return f"Protocol({self.value!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Protocol, (self.value,))
+
+
+Protocol.OPENAI_CHAT = Protocol.define("openai_chat")
+Protocol.ANTHROPIC_MESSAGES = Protocol.define("anthropic_messages")
+Protocol.OPENAI_RESPONSES = Protocol.define("openai_responses")
+Protocol.OPENAI_COMPLETIONS = Protocol.define("openai_completions")
 
 
 class Role(enum.StrEnum):

@@ -217,6 +217,14 @@ class Settings:
         flag="--api-key",
         repeat=True,
     )
+    protocol_modules: str = setting(
+        "",
+        API,
+        "A Python module (dotted path, importable) that registers a protocol of its own (ingest.surfaces.register): its "
+        "route is served like the built-in four; repeat for several.",
+        flag="--protocol-module",
+        repeat=True,
+    )
     api_keys_file: str = setting("", API, "A file of API keys, one per line (# comments).")
     rate_limit_rpm: int = setting(0, API, "Requests per minute per API key (0: unlimited); shared by every API node.")
     rate_limit_tpm: int = setting(0, API, "Tokens per minute per API key (prompt + max_tokens, charged at admission; 0: unlimited).")

@@ -9,8 +9,9 @@ from typing import Any
 import orjson
 import pytest
 
+from encoders import registry
 from encoders.frames import Frame
-from encoders.reencode import STREAM_ENCODERS, encode_frames, encode_sse
+from encoders.reencode import encode_frames, encode_sse
 from shared.deltas import is_terminal
 from shared.ir import Protocol, Request
 
@@ -47,20 +48,20 @@ def streamed_text(protocol: Protocol, frames: list[Frame]) -> str:
     return "".join(p["delta"] for p in payloads if p["type"] == "response.output_text.delta")
 
 
-def test_every_protocol_has_a_stream_encoder() -> None:
-    assert set(STREAM_ENCODERS) == set(Protocol)
+def test_every_protocol_has_a_codec() -> None:
+    assert all(registry.codec(p).protocol is p for p in Protocol)
 
 
 @pytest.mark.parametrize("target", PROTOCOLS, ids=str)
 def test_the_encoder_sees_the_recorded_request_with_only_its_protocol_switched(target: Protocol, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Request] = []
-    real = STREAM_ENCODERS[target]
+    real = registry.codec(target).stream_encoder
 
     def recording(req: Request) -> Any:
         seen.append(req)
         return real(req)
 
-    monkeypatch.setitem(STREAM_ENCODERS, target, recording)
+    monkeypatch.setitem(registry._CODECS, target, replace(registry.codec(target), stream_encoder=recording))
     source = Protocol.OPENAI_CHAT if target is not Protocol.OPENAI_CHAT else Protocol.ANTHROPIC_MESSAGES
     recorded = request(source, include_usage=True, return_token_ids=True, raw_body='{"model":"tiny-chat"}')
     encode_sse(recorded, SCENARIOS["plain_text"], target)
