@@ -9,7 +9,7 @@ Cluster rules the code keeps (audited; see docs/deployment.md, "Redis Cluster"):
 - every Lua script and MULTI/EXEC touches one hash slot: the per-request keys share their shard's `{req:<shard>}`, a
   caller's rate buckets `{<caller>}`, a batch's keys `{<batch id>}`, a file's `{<file id>}`;
 - a non-transactional pipeline may span slots, but redis-py sends each node's share concurrently, so
-  no order holds between slots: where order matters (ingest.publish) it is two round trips;
+  no order holds between slots: where order matters (ingest.http.publish) it is two round trips;
 - XREAD / XREADGROUP read one stream at a time.
 
 The global keys (the request stream and its consumer group, the in-flight counter, the finished feed,

@@ -2,7 +2,7 @@
 
 Owns: the `dump` typer sub-app, finding the Redis to read (`--redis-url`, else REDIS_URL / MET_REDIS_URL,
 else the `redis.url` file the local `met serve` writes into its data dir) and the plain-text tables.
-Must not: write to Redis (reads go through ingest.dump_reader), or define the record format (shared.dumps).
+Must not: write to Redis (reads go through ingest.dumps.dump_reader), or define the record format (shared.dumps).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import typer
 
 from bus.connect import connect
 from cli import top_snapshot
-from ingest.dump_reader import Listed, ids_with_prefix, list_requests, load_record
+from ingest.dumps.dump_reader import Listed, ids_with_prefix, list_requests, load_record
 from shared.dumps import DumpRecord, display_status, generated_text, generated_token_ids, record_to_dict, record_to_line, terminal_label
 from shared.redact import redact_url
 from shared.settings import Settings

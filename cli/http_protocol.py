@@ -8,7 +8,7 @@ received, so a client sending one header byte every few seconds holds a connecti
 `--max-connections`) forever. Here a timer is armed when a connection opens and again when a response
 ends (keep-alive), and cancelled as soon as the parser has a whole request line and headers; if it
 fires first the connection is closed (no HTTP answer is possible before a request exists). The body
-has its own limit, in the app (ingest.limits.read_body, `--body-timeout`: 408).
+has its own limit, in the app (ingest.http.limits.read_body, `--body-timeout`: 408).
 Must not: change anything else of uvicorn's protocol.
 """
 

@@ -3,7 +3,7 @@ a line (`--log-format json`) for log shippers.
 
 Hand-rolled on purpose: a JSON formatter is a dozen lines over the standard `logging` and orjson
 (already a dependency), where a library (python-json-logger, structlog) would be a new dependency
-for the same few lines. A record's `fields` (the access log's, ingest/request_log.py) become
+for the same few lines. A record's `fields` (the access log's, ingest/http/request_log.py) become
 top-level JSON keys.
 """
 

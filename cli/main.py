@@ -95,8 +95,8 @@ def _settings(**overrides: object) -> Settings:
 
 def _check_model(settings: Settings) -> None:
     """Refuse, before anything starts, a context window the flags cannot give (models.window) and model
-    aliases that name no served model (ingest.models); on the default model this also converts its GGUF once."""
-    from ingest.models import ModelNames
+    aliases that name no served model (ingest.parsers.models); on the default model this also converts its GGUF once."""
+    from ingest.parsers.models import ModelNames
     from models.window import WindowError, model_folder
 
     try:

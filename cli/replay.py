@@ -2,7 +2,7 @@
 
 Owns: the replay command. `--redis-url` (or the local `met serve`'s Redis) publishes each recorded IR
 unchanged (same prompt token ids, same sampling and seed) under a fresh id through the ordinary
-admission (`ingest.publish.admit`, waiting while the queue is at its limit) and `submit`, then tails its
+admission (`ingest.http.publish.admit`, waiting while the queue is at its limit) and `submit`, then tails its
 deltas (`encoders.wire.tail`): exact. `--against URL` re-sends the recorded body over HTTP (cli.replay_http),
 which re-renders the prompt on the server. Either way `shared.dumps.compare` decides: same generated
 token ids, text and finish reason. Requests run one after another, so batch-mates never differ.
@@ -32,7 +32,7 @@ from cli.dump import AMBIGUOUS_SHOWN, load_by_prefix, resolve_redis_url
 from cli.replay_http import ReplayHttpError, post_and_read
 from encoders.reencode import encode_sse
 from encoders.wire import tail
-from ingest.publish import admit, submit
+from ingest.http.publish import admit, submit
 from shared.codec import DELTA_FIELD, CodecError
 from shared.deltas import StreamDelta
 from shared.dumps import Comparison, DumpRecord, compare, read_records

@@ -88,7 +88,7 @@ class _Server(uvicorn.Server):
 def open_to_the_network(settings: Settings) -> str:
     """The warning for an API that listens beyond this host with no API key (anyone who reaches the port
     can run requests, read stored responses and batches); "" when it listens on loopback or has keys."""
-    from ingest.auth import load_keys
+    from ingest.http.auth import load_keys
 
     if load_keys(settings) or settings.host in ("127.0.0.1", "localhost", "::1"):
         return ""
@@ -100,7 +100,7 @@ def open_to_the_network(settings: Settings) -> str:
 
 async def run_api(settings: Settings, before_exit: Callable[[], None] | None = None) -> None:
     """Serve the API until Ctrl-C / SIGTERM."""
-    from ingest.app import build_app
+    from ingest.http.app import build_app
     from models.prompt import PromptRenderer
     from models.window import model_folder
 
@@ -137,8 +137,8 @@ async def run_api(settings: Settings, before_exit: Callable[[], None] | None = N
         limit_concurrency=settings.max_connections or None,  # past it uvicorn answers 503 (open connections counted)
     )
     dumps = None
-    if settings.dump_dir:  # --dump-dir: a background task follows met:finished (ingest/dump_writer.py)
-        from ingest.dump_writer import DumpWriterTask
+    if settings.dump_dir:  # --dump-dir: a background task follows met:finished (ingest/dumps/dump_writer.py)
+        from ingest.dumps.dump_writer import DumpWriterTask
 
         dumps = DumpWriterTask(settings.redis_url or "", settings.dump_dir)
         await dumps.start()

@@ -2,7 +2,7 @@
 
 Owns: the query (two pipelined round trips: the active set, then each batch's record and counts) and
 `BatchView`. Must not: write anything, or know a protocol's batch object (it reads the record that
-ingest.batch_jobs keeps).
+ingest.batches.batch_jobs keeps).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What `met top` shows, read from Redis: a `Snapshot` of workers, queue, active requests and problems.
 
 Owns: the read-only queries behind the dashboard (`take_snapshot`, `take_request_detail`), the one
-write it allows (`cancel`, through ingest.publish like a disconnecting client), the throughput
+write it allows (`cancel`, through ingest.http.publish like a disconnecting client), the throughput
 history, and finding the Redis URL of a local `met serve`. Every figure comes from the keys in
 shared/keys.py, so the dashboard works against any deployment (embedded, compose, many machines).
 
@@ -26,7 +26,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from cli.top_batches import BatchView, take_batches
-from ingest.publish import cancel as set_cancel_flag
+from ingest.http.publish import cancel as set_cancel_flag
 from shared import keys
 from shared.codec import ID_FIELD, CodecError, Meta, decode_request, delta_of
 from shared.deltas import Content, Error, Finish

@@ -46,7 +46,7 @@ def unsealed_signature(request: Request, index: int) -> str:
 
 
 def error_body(message: str, error_type: str = "api_error") -> dict[str, Any]:
-    """Anthropic's error shape (ingest.errors renders an ingest `ApiError` the same way)."""
+    """Anthropic's error shape (ingest.parsers.errors renders an ingest `ApiError` the same way)."""
     return {"type": "error", "error": {"type": error_type, "message": message}}
 
 

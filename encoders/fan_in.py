@@ -1,6 +1,6 @@
 """Several choices in one stream: chat `n` > 1, legacy completions with `n` > 1 or several prompts.
 
-Each choice is its own request with its own delta stream (ingest.app.fan_out), so its deltas arrive
+Each choice is its own request with its own delta stream (ingest.http.app.fan_out), so its deltas arrive
 interleaved with the other choices' in whatever order the worker wrote them. Each choice is encoded
 by its protocol's encoder for one choice (its `index`, `closes=False`); this encoder routes a
 choice's deltas to it and closes the stream once for all of them: the usage of every choice (when

@@ -2,7 +2,7 @@
 delta stream into its wire (streamed and whole) and read its stream back. Read by ingest (the routes),
 encoders.reencode (dumps, `met replay --encode-only`) and cli (`met replay --against`).
 
-A protocol's row (ingest.surfaces.register) carries its codec; the four built-in codecs are below.
+A protocol's row (ingest.http.surfaces.register) carries its codec; the four built-in codecs are below.
 Must not: do I/O.
 """
 

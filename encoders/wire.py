@@ -99,7 +99,7 @@ class Presence:
 
 
 class Observer(Protocol):
-    """Who sees each batch as it passes (ingest.metrics.Observation: /metrics and the access log)."""
+    """Who sees each batch as it passes (ingest.http.metrics.Observation: /metrics and the access log)."""
 
     def batch(self, batch: Batch) -> None: ...
     def close(self) -> None: ...

@@ -150,7 +150,7 @@ class PromptRenderer:
     def for_bulk(self) -> PromptRenderer:
         """This renderer, encoding through the Rust backend without offsets (`encode_batch_fast`): the
         same ids in about half the time (30 MiB: 22 s against 45 s here), for a count of a huge body.
-        Used where one process has the renderer to itself: the counting child (ingest/tokenizing.py)."""
+        Used where one process has the renderer to itself: the counting child (ingest/http/tokenizing.py)."""
         bulk = copy.copy(self)
         bulk._bulk = True
         return bulk

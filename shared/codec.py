@@ -241,7 +241,7 @@ ID_FIELD = "id"  # the request id, on request stream, finished feed and dead-let
 
 class Meta:
     """Fields of a request's meta hash (shared.keys.request_meta); every value is a string on the wire.
-    Written by ingest.publish (status queued .. received_at), workers.leases (status running .. emitted;
+    Written by ingest.http.publish (status queued .. received_at), workers.leases (status running .. emitted;
     the fenced script: first_token_at, status finished .. batch_max); read by dumps, the TUI, admission."""
 
     STATUS = "status"  # queued | running | finished (the values below)
@@ -249,8 +249,8 @@ class Meta:
     MODEL = "model"
     ENDPOINT = "endpoint"
     RECEIVED_AT = "received_at"
-    CLIENT = "client"  # who sent it, for `met top`: the address and the user agent's first product token (ingest.app), "batch" for a batch line
-    OWNER = "owner"  # the caller id (an API key's digest) that made it: ingest.auth.owns scopes resume and stored responses
+    CLIENT = "client"  # who sent it, for `met top`: the address and the user agent's first product token (ingest.http.app), "batch" for a batch line
+    OWNER = "owner"  # the caller id (an API key's digest) that made it: ingest.http.auth.owns scopes resume and stored responses
     ATTEMPT = "attempt"  # the fencing token: bumped by each claim
     WORKER = "worker"
     CLAIMED_AT = "claimed_at"

@@ -5,7 +5,7 @@ Owns: `DumpRecord` ↔ the JSON-ready dict written to dump files (`{"v": 1, "id"
 produce the recorded output?). Re-encoding a record into SSE lives in `encoders.reencode`.
 Secrets never land in dumps: `record_to_dict` redacts every credential-like field it writes (the raw
 body was already redacted at ingest; redacting again is idempotent and byte-identical when clean).
-Must not: do I/O (Redis reads live in ingest.dump_reader, files in ingest.dump_writer and cli/), or
+Must not: do I/O (Redis reads live in ingest.dumps.dump_reader, files in ingest.dumps.dump_writer and cli/), or
 know wire field names of deltas and requests (shared.codec does), or import encoders.
 """
 

@@ -310,7 +310,7 @@ class Request:
     prompt_token_ids: tuple[int, ...] = ()
     endpoint: str = ""
     raw_body: str = ""
-    cache_salt: str = ""  # prefix-cache isolation: blocks are shared only between equal salts (ingest.cache_salt)
+    cache_salt: str = ""  # prefix-cache isolation: blocks are shared only between equal salts (ingest.parsers.cache_salt)
 
 
 def custom_tools(request: Request) -> frozenset[str]:

@@ -13,7 +13,7 @@ import zlib
 
 PREFIX = "met"
 
-# The request stream. Writer: ingest.publish (XADD, never MAXLEN). Readers: workers.claims through
+# The request stream. Writer: ingest.http.publish (XADD, never MAXLEN). Readers: workers.claims through
 # the consumer group WORKER_GROUP (XREADGROUP / XACK after the terminal event).
 REQUEST_STREAM = f"{PREFIX}:requests"
 WORKER_GROUP = f"{PREFIX}:workers"
@@ -22,17 +22,17 @@ WORKER_GROUP = f"{PREFIX}:workers"
 # ids, score = admission time (unix). A set of ids, not a counter, so that it heals itself: taking an id out
 # twice is harmless, and what a lost write leaks is found and removed (workers.leases.sweep_inflight: ids
 # whose request finished, or never reached Redis; ids older than the longest a request lives go on admission).
-# Writers: ingest.publish (ZADD on admission, under a Lua check against the limit; ZREM of parts never queued),
+# Writers: ingest.http.publish (ZADD on admission, under a Lua check against the limit; ZREM of parts never queued),
 # workers.outbox (ZREM with each terminal event), workers.leases.sweep_inflight. Readers: ingest admission
 # (ZCARD), the TUI, /metrics.
 INFLIGHT = f"{PREFIX}:inflight:ids"
 # Batch lines queued or running: the batch pool, a set of its own (the same shape, writers and healing as
-# INFLIGHT), so batch work never takes a place interactive admission counts. Writer: ingest.publish
+# INFLIGHT), so batch work never takes a place interactive admission counts. Writer: ingest.http.publish
 # (submit_batch_line). Readers: the batch dispatcher (--batch-max-queue), the TUI, /metrics.
 INFLIGHT_BATCH = f"{PREFIX}:inflight:batch"
 IN_FLIGHT_SETS = (INFLIGHT, INFLIGHT_BATCH)
 
-# Every accepted request, by time received (score: unix time). Writer: ingest.publish. Pruner: workers.claims
+# Every accepted request, by time received (score: unix time). Writer: ingest.http.publish. Pruner: workers.claims
 # (entries older than the dump TTL). Readers: `met dump list`, the TUI.
 REQUEST_INDEX = f"{PREFIX}:requests:index"
 
@@ -70,14 +70,14 @@ def worker_info(worker_id: str) -> str:
 def rate_limit_bucket(caller: str, kind: str) -> str:
     """Hash of one caller's token bucket (fields: tokens, ts), `kind` "requests" or "tokens"; both of a
     caller's buckets share the hash tag `{<caller>}` so one Lua script updates them (cluster-safe).
-    `caller` is a digest of the API key (ingest.auth.caller_id), never the key. Expires after two refill
-    periods idle. Writer and reader: ingest.limits (one Lua script, shared by every API node)."""
+    `caller` is a digest of the API key (ingest.http.auth.caller_id), never the key. Expires after two refill
+    periods idle. Writer and reader: ingest.http.limits (one Lua script, shared by every API node)."""
     return f"{PREFIX}:ratelimit:{{{caller}}}:{kind}"
 
 
 def stored_response(response_id: str) -> str:
     """A finished Responses-API response kept for `previous_response_id` and GET/DELETE
-    /v1/responses/{id} (JSON: body + conversation), with a TTL. Writer and reader: ingest.responses_store."""
+    /v1/responses/{id} (JSON: body + conversation), with a TTL. Writer and reader: ingest.http.responses_store."""
     return f"{PREFIX}:response:{response_id}"
 
 
@@ -119,14 +119,14 @@ def delta_stream(request_id: str) -> str:
 
 
 def request_meta(request_id: str) -> str:
-    """Hash: status, worker, attempt, timings, batch peak. Writers: ingest.publish (received),
+    """Hash: status, worker, attempt, timings, batch peak. Writers: ingest.http.publish (received),
     workers.claims (claimed, first token, finished). Readers: dumps, the TUI, tests."""
     return f"{_tag(request_id)}:meta"
 
 
 def request_ir(request_id: str) -> str:
     """The encoded request IR (as on the request stream), kept for dumps and replay after the stream is
-    trimmed. Writer: ingest.publish. Readers: dumps, replay, workers.claims on reclaim."""
+    trimmed. Writer: ingest.http.publish. Readers: dumps, replay, workers.claims on reclaim."""
     return f"{_tag(request_id)}:request"
 
 
@@ -136,7 +136,7 @@ def request_keys(request_id: str) -> tuple[str, ...]:
 
 
 def attachments(request_id: str) -> str:
-    """Counter of resumed connections to the request's stream (ingest.resume), with its own TTL. Writer:
+    """Counter of resumed connections to the request's stream (ingest.http.resume), with its own TTL. Writer:
     the API node a client reconnects to. Reader: the API node whose client left, when its resume grace
     ends: a count that moved means the client came back elsewhere, so the generation is not cancelled."""
     return f"{_tag(request_id)}:attach"
@@ -145,24 +145,24 @@ def attachments(request_id: str) -> str:
 def choices(request_id: str) -> str:
     """The ids of the parts behind a stream of several choices (chat n > 1, completions with n > 1 or
     several prompts), in choice order, JSON. Writer: the API node that takes the request; reader: an
-    API node a client resumes that stream on (ingest.resume). Expires with the parts' dumps."""
+    API node a client resumes that stream on (ingest.http.resume). Expires with the parts' dumps."""
     return f"{_tag(request_id)}:choices"
 
 
 def cancel_flag(request_id: str) -> str:
     """Present once the request is cancelled; its value says by whom (CLIENT_CANCEL, OPERATOR_CANCEL).
-    Writer: bus.cancels (for ingest.app on a client disconnect, `met top`). Reader: workers.claims when it
+    Writer: bus.cancels (for ingest.http.app on a client disconnect, `met top`). Reader: workers.claims when it
     claims the request (later cancels reach it on CANCELS)."""
     return f"{_tag(request_id)}:cancel"
 
 
-# ---- Files and batch jobs (ingest.files, ingest.batch_jobs, ingest.batch_dispatch) -------------------
+# ---- Files and batch jobs (ingest.batches.files, ingest.batches.batch_jobs, ingest.batches.batch_dispatch) -------------------
 # Every key below is written and read by API nodes only; workers see batch lines as ordinary requests.
 
 
 def file_meta(file_id: str) -> str:
-    """Hash: the file object's fields (JSON under "doc") and its owner. Writer: ingest.files (upload, and
-    the dispatcher for batch output files). Readers: ingest.files, ingest.batch_jobs."""
+    """Hash: the file object's fields (JSON under "doc") and its owner. Writer: ingest.batches.files (upload, and
+    the dispatcher for batch output files). Readers: ingest.batches.files, ingest.batches.batch_jobs."""
     return f"{PREFIX}:file:{{{file_id}}}:meta"
 
 
@@ -172,14 +172,14 @@ def file_content(file_id: str) -> str:
 
 
 def files_of(owner: str) -> str:
-    """Sorted set of an owner's file ids (score: created). Writer: ingest.files. Reader: GET /v1/files."""
+    """Sorted set of an owner's file ids (score: created). Writer: ingest.batches.files. Reader: GET /v1/files."""
     return f"{PREFIX}:files:{owner}"
 
 
 def stored_index(owner: str) -> str:
     """Sorted set of what an owner's requests keep stored (members `r:<request id>`, a request record;
-    `s:<response id>`, a stored response), score: when it expires. Writers: ingest.publish (with each
-    admission), ingest.responses_store, ingest.storage (prunes, evicts). Reader: ingest.storage."""
+    `s:<response id>`, a stored response), score: when it expires. Writers: ingest.http.publish (with each
+    admission), ingest.http.responses_store, ingest.http.storage (prunes, evicts). Reader: ingest.http.storage."""
     return f"{PREFIX}:stored:{{{owner}}}:index"
 
 
@@ -191,7 +191,7 @@ def stored_sizes(owner: str) -> str:
 
 def batch_doc(batch_id: str) -> str:
     """JSON of one batch job (protocol, status, timestamps, owner, ids of its files). Writers: the create,
-    cancel and delete routes and the dispatcher (ingest.batch_dispatch). Readers: the batch routes, `met batch`,
+    cancel and delete routes and the dispatcher (ingest.batches.batch_dispatch). Readers: the batch routes, `met batch`,
     the TUI."""
     return f"{PREFIX}:batch:{{{batch_id}}}:doc"
 
@@ -216,7 +216,7 @@ def batch_counts(batch_id: str) -> str:
 
 def batch_lease(batch_id: str) -> str:
     """Which API node dispatches the batch now (SET NX PX, renewed; expiry hands it to another node).
-    Writer and reader: ingest.batch_dispatch."""
+    Writer and reader: ingest.batches.batch_dispatch."""
     return f"{PREFIX}:batch:{{{batch_id}}}:lease"
 
 

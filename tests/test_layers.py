@@ -24,3 +24,12 @@ def test_a_planted_violation_is_named_with_its_line(tmp_path: Path) -> None:
         "encoders/chat.py:1: encoders imports redis",
         "ingest/app.py:4: ingest imports workers",
     ]
+
+
+def test_a_protocol_parser_doing_io_is_named(tmp_path: Path) -> None:
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "ingest" / "parsers").mkdir()
+    (tmp_path / "ingest" / "parsers" / "chat.py").write_text("from redis.asyncio import Redis\n")
+    (tmp_path / "ingest" / "http.py").write_text("from redis.asyncio import Redis\n")  # the rest of ingest may
+    assert violations(tmp_path) == ["ingest/parsers/chat.py:1: ingest/parsers imports redis"]

@@ -37,7 +37,7 @@ from workers.blocks import ROOT, BlockPool, chain_hash
 
 
 def salted_root(salt: str) -> bytes:
-    """The key "before" a request's first block: ROOT, or one of the salt's own (ingest.cache_salt), so no
+    """The key "before" a request's first block: ROOT, or one of the salt's own (ingest.parsers.cache_salt), so no
     block of a salted request ever matches a block of another salt."""
     return chain_hash(ROOT, (), b"cache salt\n" + salt.encode()) if salt else ROOT
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ingest.dump_writer import POSITION_FILE
+from ingest.dumps.dump_writer import POSITION_FILE
 from shared.dumps import DumpRecord, read_records
 
 from ..conftest import LiveServer, start_server, stop_server
@@ -40,7 +40,7 @@ def test_finished_requests_are_appended_to_the_dump_dir_without_secrets(dumping_
     records = records_in(dumps)
     assert [r.id for r in records] == [streamed, answered]
     assert all(r.outcome in ("stop", "length") and r.meta["status"] == "finished" and r.deltas for r in records)
-    (path,) = dumps.glob("*.jsonl")  # beside it only the writer's committed position (ingest.dump_writer.POSITION_FILE)
+    (path,) = dumps.glob("*.jsonl")  # beside it only the writer's committed position (ingest.dumps.dump_writer.POSITION_FILE)
     # The position is saved as <name>.tmp then renamed over: wait out a save in flight before listing.
     end = time.monotonic() + 10
     while any(p.name.endswith(".tmp") for p in dumps.iterdir()) and time.monotonic() < end:

@@ -187,7 +187,7 @@ def test_the_throughput_history_keeps_only_its_window() -> None:
 
 async def test_batches_in_progress_are_in_the_snapshot_with_their_progress_and_shown_by_top(redis: Redis) -> None:
     from cli.top import problems_text
-    from ingest import batch_jobs
+    from ingest.batches import batch_jobs
 
     settings = Settings()
     lines = [{"custom_id": f"c{i}", "body": {}} for i in range(5)]

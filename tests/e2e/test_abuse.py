@@ -23,7 +23,7 @@ import openai
 import orjson
 import pytest
 
-from ingest.auth import caller_id
+from ingest.http.auth import caller_id
 from shared import keys
 
 from ..conftest import LiveServer, start_server, stop_server, wait_for
@@ -361,7 +361,7 @@ def test_four_30_mib_count_tokens_then_a_30_mib_message_batch_do_not_stall_a_run
     without a clock in tests/ingest/test_tokenizing.py: in a child process, at a lower priority.
     On CI the four counts once outlasted the whole 8,000-token stream (no measurement), so the reader
     runs one stream after another and gaps are taken inside each. The batch's line is rendered on the
-    large tokenizing lane as batch lines are (ingest.batch_routes.BatchLines.prepare); before that it was
+    large tokenizing lane as batch lines are (ingest.batches.batch_routes.BatchLines.prepare); before that it was
     rendered on the event loop."""
     huge = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello world, this is some text. " * (30 * 2**20 // 32)}]})
     body = {"model": "m", "messages": [{"role": "user", "content": "Write a very long story."}], "max_tokens": 8000, "ignore_eos": True, "stream": True}

@@ -25,7 +25,7 @@ import openai
 import pytest
 import redis
 
-from ingest import batch_jobs
+from ingest.batches import batch_jobs
 from shared import keys
 from shared.codec import decode_delta
 from shared.deltas import is_terminal

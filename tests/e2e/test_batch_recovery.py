@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from cli.embedded_redis import EmbeddedRedis, free_port
-from ingest import batch_jobs
+from ingest.batches import batch_jobs
 from shared import keys
 from shared.codec import decode_delta
 from shared.deltas import is_terminal
@@ -88,7 +88,7 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
 
 
 def pid_of_node(node_id: bytes) -> int:
-    return int(node_id.decode().rsplit("-", 2)[1])  # "<host>-<pid>-<nonce>" (ingest.app)
+    return int(node_id.decode().rsplit("-", 2)[1])  # "<host>-<pid>-<nonce>" (ingest.http.app)
 
 
 def test_a_batch_finishes_every_line_once_after_a_worker_and_its_dispatching_api_node_are_killed(deployment: Deployment) -> None:

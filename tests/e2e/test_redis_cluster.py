@@ -133,7 +133,7 @@ def test_the_keys_really_spread_over_the_three_masters(deployment: ClusterDeploy
 
 def test_a_batch_runs_to_the_end_on_a_redis_cluster(deployment: ClusterDeployment) -> None:
     """The batch path's cluster steps: the batch's keys before the active set, each line's keys before
-    the count and the XADD, then its IR (ingest.batch_jobs, ingest.publish)."""
+    the count and the XADD, then its IR (ingest.batches.batch_jobs, ingest.http.publish)."""
     rows = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
              "body": {"model": "m", "messages": [{"role": "user", "content": f"Say {i}."}], "max_tokens": 4}} for i in range(3)]  # fmt: skip
     with openai.OpenAI(base_url=f"{deployment.api.base_url}/v1", api_key="x", max_retries=0, timeout=60) as api:

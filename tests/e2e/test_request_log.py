@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from cli.logs import JsonFormatter
-from ingest.request_log import RequestTiming, log_finished
+from ingest.http.request_log import RequestTiming, log_finished
 from shared.deltas import Finish, FinishReason, Usage
 from shared.ir import Message, Protocol, Request, Role, TextPart
 

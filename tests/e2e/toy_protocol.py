@@ -13,7 +13,7 @@ from typing import Any
 
 from encoders.frames import Frame, json_frame
 from encoders.registry import Codec
-from ingest.surfaces import Surface, register
+from ingest.http.surfaces import Surface, register
 from shared.deltas import Content, Error, Finish, StreamDelta
 from shared.errors import invalid
 from shared.ir import Message, Protocol, Request, Role, SamplingParams, TextPart

@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletionChunk
 from encoders import openai_chat, openai_completions
 from encoders.fan_in import FanInEncoder, Tagged, tag_terminal
 from encoders.wire import Slotted
-from ingest.resume import event_positions
+from ingest.http.resume import event_positions
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, StreamDelta, Usage
 from shared.ir import Protocol, Request, TextCompletion
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ingest.anthropic_messages import parse
+from ingest.parsers.anthropic_messages import parse
 from shared.errors import ApiError
 from shared.ir import ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, Thinking, ToolCall, ToolSpec
 

@@ -17,8 +17,8 @@ import openai
 import orjson
 import pytest
 
-from ingest import auth
-from ingest.auth import ANONYMOUS, Authenticator, caller_id, load_keys, presented_keys
+from ingest.http import auth
+from ingest.http.auth import ANONYMOUS, Authenticator, caller_id, load_keys, presented_keys
 from shared.errors import ApiError
 from shared.settings import Settings
 

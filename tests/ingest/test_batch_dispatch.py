@@ -1,5 +1,5 @@
 """The batch dispatcher against a real redis-server: it prepares lines off the event loop
-(ingest.batch_routes.BatchLines.prepare on the tokenizing lanes), so a line's parse and render never runs
+(ingest.batches.batch_routes.BatchLines.prepare on the tokenizing lanes), so a line's parse and render never runs
 on the loop that serves the node's streams, and a line that finds the large lane full waits for a later
 step instead of failing; its writes are fenced (a node that lost the batch's lease queues nothing, a line
 is never queued twice) and batch records change by compare-and-set."""
@@ -18,10 +18,10 @@ import orjson
 import pytest
 from redis.asyncio import Redis
 
-from ingest import batch_dispatch, batch_jobs
-from ingest.batch_dispatch import BatchDispatcher
-from ingest.batch_routes import BatchLines
-from ingest.tokenizing import LARGE_BODY_BYTES, Tokenizing
+from ingest.batches import batch_dispatch, batch_jobs
+from ingest.batches.batch_dispatch import BatchDispatcher
+from ingest.batches.batch_routes import BatchLines
+from ingest.http.tokenizing import LARGE_BODY_BYTES, Tokenizing
 from shared import keys
 from shared.ir import Request
 from shared.settings import Settings

@@ -17,8 +17,8 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from cli.embedded_redis import EmbeddedRedis
-from ingest import batch_dispatch
-from ingest.batch_dispatch import BatchDispatcher
+from ingest.batches import batch_dispatch
+from ingest.batches.batch_dispatch import BatchDispatcher
 from shared import keys
 from shared.ir import Request
 from shared.settings import Settings

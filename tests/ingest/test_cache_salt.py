@@ -1,11 +1,11 @@
-"""Prefix-cache isolation (ingest/cache_salt.py): the salt each policy gives a request."""
+"""Prefix-cache isolation (ingest/parsers/cache_salt.py): the salt each policy gives a request."""
 
 from __future__ import annotations
 
 import pytest
 
-from ingest.auth import ANONYMOUS
-from ingest.cache_salt import cache_salt
+from ingest.http.auth import ANONYMOUS
+from ingest.parsers.cache_salt import cache_salt
 from shared.errors import ApiError
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ingest import anthropic_messages, openai_chat, openai_responses
+from ingest.parsers import anthropic_messages, openai_chat, openai_responses
 from shared.errors import ApiError
 from shared.ir import Constraint, ConstraintKind
 

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from ingest.context import ContextPolicy, fit_max_tokens
-from ingest.errors import error_body
+from ingest.parsers.context import ContextPolicy, fit_max_tokens
+from ingest.parsers.errors import error_body
 from shared.errors import ApiError
 from shared.ir import Protocol
 

@@ -13,8 +13,8 @@ import orjson
 import pytest
 from redis.asyncio import Redis
 
-from ingest.dump_writer import DumpWriter, DumpWriterTask, Position, RotatingJsonl
-from ingest.publish import submit
+from ingest.dumps.dump_writer import DumpWriter, DumpWriterTask, Position, RotatingJsonl
+from ingest.http.publish import submit
 from shared import keys
 from shared.codec import encode_delta
 from shared.dumps import read_records

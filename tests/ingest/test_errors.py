@@ -1,11 +1,11 @@
-"""ingest/errors.py: an ApiError in each protocol's own shape and status; overload is each API's own
+"""ingest/parsers/errors.py: an ApiError in each protocol's own shape and status; overload is each API's own
 word for it (OpenAI 503 `server_error`, Anthropic 529 `overloaded_error`), a key's rate limit a 429 on both."""
 
 from __future__ import annotations
 
 import pytest
 
-from ingest.errors import error_body, failure, status_for
+from ingest.parsers.errors import error_body, failure, status_for
 from shared.deltas import Error, ErrorKind
 from shared.errors import ApiError, invalid
 from shared.ir import Protocol

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from ingest import anthropic_messages, openai_chat, openai_responses
-from ingest.errors import error_body, status_for
-from ingest.limits import RateLimiter, check_depth, parse_json, read_body
+from ingest.http.limits import RateLimiter, check_depth, parse_json, read_body
+from ingest.parsers import anthropic_messages, openai_chat, openai_responses
+from ingest.parsers.errors import error_body, status_for
 from shared import keys
 from shared.errors import ApiError
 from shared.ir import Protocol
@@ -219,7 +219,7 @@ async def test_tokens_per_period_trip_and_a_refused_request_costs_nothing(redis:
 
 
 async def test_a_refund_gives_back_what_a_charge_took_and_headers_say_what_is_left(redis: Redis) -> None:
-    """A request the queue refuses after its charge is refunded (ingest.app); admitted answers carry OpenAI's
+    """A request the queue refuses after its charge is refunded (ingest.http.app); admitted answers carry OpenAI's
     x-ratelimit-* headers."""
     limiter = RateLimiter(redis, Settings(rate_limit_rpm=10, rate_limit_tpm=1000, rate_limit_period=60.0))
     caller = secrets.token_hex(4)

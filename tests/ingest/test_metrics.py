@@ -1,4 +1,4 @@
-"""ingest.metrics without a server: the per-token histogram's exposition against prometheus_client's own."""
+"""ingest.http.metrics without a server: the per-token histogram's exposition against prometheus_client's own."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from ingest.metrics import _ITL, LoopHistogram
+from ingest.http.metrics import _ITL, LoopHistogram
 
 
 def test_the_loop_histogram_exposes_what_prometheus_clients_histogram_would_for_the_same_observations() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ingest.models import ModelNames
+from ingest.parsers.models import ModelNames
 from shared.errors import ApiError
 
 

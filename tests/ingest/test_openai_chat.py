@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ingest.openai_chat import parse
+from ingest.parsers.openai_chat import parse
 from shared.errors import ApiError
 from shared.ir import Message, Protocol, Role, SamplingParams, TextPart, Thinking, ToolCall, ToolSpec
 

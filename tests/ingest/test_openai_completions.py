@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ingest.openai_completions import parse, per_prompt
+from ingest.parsers.openai_completions import parse, per_prompt
 from shared.errors import ApiError
 from shared.ir import Protocol, Request, SamplingParams, TextCompletion
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from ingest.openai_responses import namespaced_name, parse, previous_response_id, store_flag
+from ingest.parsers.openai_responses import namespaced_name, parse, previous_response_id, store_flag
 from shared.errors import ApiError
 from shared.ir import (
     Constraint,

@@ -1,4 +1,4 @@
-"""`/ready`'s body (ingest/readiness.py) against a real Redis: a gateway worker's upstream URL and error are
+"""`/ready`'s body (ingest/http/readiness.py) against a real Redis: a gateway worker's upstream URL and error are
 shown only to a caller who may see them; its health always."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from ingest.readiness import readiness
+from ingest.http.readiness import readiness
 from shared import keys
 
 

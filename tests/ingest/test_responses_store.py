@@ -7,8 +7,9 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from ingest import openai_responses, responses_store
-from ingest.auth import ANONYMOUS
+from ingest.http import responses_store
+from ingest.http.auth import ANONYMOUS
+from ingest.parsers import openai_responses
 from shared.deltas import Content, Finish, FinishReason, Usage
 from shared.errors import ApiError
 from shared.ir import Role
@@ -74,7 +75,7 @@ async def test_a_failed_save_does_not_raise_so_the_client_still_gets_its_termina
 async def test_a_response_without_its_document_is_rebuilt_from_its_deltas_and_a_delete_stays_deleted(redis: Redis) -> None:
     from dataclasses import replace
 
-    from ingest.publish import submit
+    from ingest.http.publish import submit
     from shared import keys
     from shared.codec import encode_delta
 
@@ -97,7 +98,7 @@ async def test_a_response_without_its_document_is_rebuilt_from_its_deltas_and_a_
 async def test_a_response_belongs_to_the_key_that_made_it_and_is_a_404_for_any_other(redis: Redis) -> None:
     from dataclasses import replace
 
-    from ingest.publish import submit
+    from ingest.http.publish import submit
     from shared import keys
 
     await run_turn(redis, {"model": "m", "input": "Hi"}, "o1", "Hello.", caller="key-a")
@@ -131,8 +132,8 @@ async def test_a_response_belongs_to_the_key_that_made_it_and_is_a_404_for_any_o
 async def test_a_stream_is_resumed_only_by_the_key_that_made_it(redis: Redis) -> None:
     from dataclasses import replace
 
-    from ingest import resume
-    from ingest.publish import submit
+    from ingest.http import resume
+    from ingest.http.publish import submit
     from shared.ir import Protocol
 
     stream = replace(parsed({"model": "m", "input": "Hi", "stream": True}, "s1"), stream=True)

@@ -1,4 +1,4 @@
-"""The per-key storage quota (ingest.storage) against a real redis-server: admission enters each request's
+"""The per-key storage quota (ingest.http.storage) against a real redis-server: admission enters each request's
 record in its key's ledger in the same script; past the cap, what expires first is dropped, finished
 requests' records before stored responses, never a request in flight, and never another key's."""
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from ingest import responses_store, storage
-from ingest.publish import Admission, Origin, admit_and_submit
+from ingest.http import responses_store, storage
+from ingest.http.publish import Admission, Origin, admit_and_submit
 from shared import keys
 from shared.codec import FINISHED, Meta, encode_request
 from shared.ir import Message, Role, TextPart

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 
 from encoders.fan_in import Tagged
 from encoders.frames import Frame
-from ingest.surfaces import CHAT, COMPLETIONS, MESSAGES, RESPONSES, SURFACES, Surface
+from ingest.http.surfaces import CHAT, COMPLETIONS, MESSAGES, RESPONSES, SURFACES, Surface
 from models.prompt import PromptRenderer
 from shared.deltas import Content, Finish, FinishReason, Usage
 from shared.errors import ApiError
@@ -187,7 +187,7 @@ SEVERAL = [(s, {"n": 2}) for s in SURFACES] + [(COMPLETIONS, {"prompt": ["a", "b
 
 @pytest.mark.parametrize(("surface", "fields"), SEVERAL, ids=lambda v: row_id(v) if isinstance(v, Surface) else next(iter(v)))
 def test_a_row_lets_several_choices_through_only_where_it_can_stream_them(surface: Surface, fields: dict[str, Any]) -> None:
-    # ingest.app streams several choices through the row's choices_encoder, asserting there is one
+    # ingest.http.app streams several choices through the row's choices_encoder, asserting there is one
     body = {**BODIES[surface.protocol], **fields}
     request = surface.parse(body, request_id="r1", created=0.0)
     several = request.sampling.n > 1 or len(surface.expand(body, request, RENDERER)) > 1

@@ -1,4 +1,4 @@
-"""The tokenizing lanes (ingest/tokenizing.py): work runs off the event loop, a huge body's lane is
+"""The tokenizing lanes (ingest/http/tokenizing.py): work runs off the event loop, a huge body's lane is
 bounded and never holds up small requests."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from ingest.tokenizing import LARGE_BODY_BYTES, Tokenizing
+from ingest.http.tokenizing import LARGE_BODY_BYTES, Tokenizing
 from shared.errors import ApiError
 from shared.settings import Settings
 
@@ -46,7 +46,7 @@ async def test_a_large_body_past_the_queue_is_refused_while_small_ones_still_run
 async def test_a_large_count_is_counted_in_a_child_process_exactly_as_the_prompt_renders() -> None:
     import os
 
-    from ingest.anthropic_messages import parse_count_tokens
+    from ingest.parsers.anthropic_messages import parse_count_tokens
     from models.files import local_folder
     from models.prompt import PromptRenderer
 
@@ -76,7 +76,7 @@ class BulkRecorder:
 
 async def test_a_large_count_encodes_in_bulk_in_the_child_and_a_small_one_as_prompts_render() -> None:
     """Bulk encoding sets the tokenizer's shared split flag: only the child, which owns its renderer, uses it."""
-    from ingest.anthropic_messages import parse_count_tokens
+    from ingest.parsers.anthropic_messages import parse_count_tokens
 
     request = parse_count_tokens({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, request_id="n", created=1.0)
     lanes = Tokenizing(Settings(), BulkRecorder())
@@ -98,7 +98,7 @@ class InterruptedRecorder:
 
 
 async def test_ctrl_c_leaves_the_counting_child_quiet_for_the_server_to_stop() -> None:
-    from ingest.anthropic_messages import parse_count_tokens
+    from ingest.parsers.anthropic_messages import parse_count_tokens
 
     request = parse_count_tokens({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, request_id="i", created=1.0)
     lanes = Tokenizing(Settings(), InterruptedRecorder())

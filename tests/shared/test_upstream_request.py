@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from ingest import anthropic_messages, openai_chat, openai_responses
+from ingest.parsers import anthropic_messages, openai_chat, openai_responses
 from shared.errors import ApiError
 from shared.upstream_request import chat_body, check_expressible
 

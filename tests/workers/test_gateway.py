@@ -15,7 +15,7 @@ import uvicorn
 from redis.asyncio import Redis
 
 from cli.embedded_redis import free_port
-from ingest.publish import submit
+from ingest.http.publish import submit
 from shared import keys
 from shared.codec import deltas_of
 from shared.deltas import Content, Error, ErrorKind, Finish, FinishReason, Reasoning, StreamDelta, ToolCallStart, Usage, is_terminal

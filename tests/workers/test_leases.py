@@ -10,7 +10,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from ingest.publish import submit
+from ingest.http.publish import submit
 from shared import keys
 from shared.codec import decode_delta, encode_delta
 from shared.deltas import Content, Finish, FinishReason, Usage

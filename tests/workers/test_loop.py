@@ -15,7 +15,7 @@ import pytest
 from redis.asyncio import Redis
 
 from cli.embedded_redis import EmbeddedRedis
-from ingest.publish import admit, submit, submit_all
+from ingest.http.publish import admit, submit, submit_all
 from shared import keys
 from shared.codec import decode_delta
 from shared.deltas import Content, Error, Finish, StreamDelta, is_terminal

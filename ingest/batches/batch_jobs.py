@@ -6,7 +6,7 @@ the batch record (`shared.keys.batch_doc`, one JSON document; lines in `batch_li
 never off after a restart), and each protocol's view of it: the OpenAI `batch` object and output /
 error file lines, the Anthropic `message_batch` object and its results JSONL.
 A line's request id is derived from the batch id and its `custom_id` (`line_request_id`), so a
-dispatcher that restarts never queues a line twice and never loses one (ingest.batch_dispatch).
+dispatcher that restarts never queues a line twice and never loses one (ingest.batches.batch_dispatch).
 Must not: queue or run anything (the dispatcher does).
 """
 
@@ -24,7 +24,7 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
-from ingest.files import newest_after
+from ingest.batches.files import newest_after
 from shared import keys
 from shared.errors import ApiError, invalid
 from shared.settings import Settings

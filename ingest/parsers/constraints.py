@@ -17,7 +17,7 @@ from typing import Any
 import jsonschema
 import orjson
 
-from ingest import fields as f
+from ingest.parsers import fields as f
 from shared.errors import invalid
 from shared.ir import Constraint, ConstraintKind, ToolSpec
 

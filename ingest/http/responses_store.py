@@ -8,7 +8,7 @@ stream, the truth the document is made from, until the dump expires; a `store: f
 Background responses (`background: true`) are saved by a follower task of the node that accepted them
 and can be cancelled while they run. Every response belongs to the API key that created it (the document's
 `owner`, else the recorded request's): for any other key GET, DELETE, cancel, a stream replay and a
-`previous_response_id` naming it all answer 404, as OpenAI does (ingest.auth.owns).
+`previous_response_id` naming it all answer 404, as OpenAI does (ingest.http.auth.owns).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from encoders.openai_responses import ResponseAccumulator, response_id
-from ingest import storage
-from ingest.auth import owns
-from ingest.openai_responses import previous_response_id, store_flag
-from ingest.publish import LIFETIME_MARGIN_S, cancel, owner_of
+from ingest.http import storage
+from ingest.http.auth import owns
+from ingest.http.publish import LIFETIME_MARGIN_S, cancel, owner_of
+from ingest.parsers.openai_responses import previous_response_id, store_flag
 from shared import keys
 from shared.codec import VERSION, decode_request, deltas_of, message_from_dict, message_to_dict
 from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart, is_terminal
@@ -62,7 +62,7 @@ def assistant_turn(deltas: list[StreamDelta], custom: frozenset[str] = frozenset
 
 async def save(redis: Redis, response_id: str, *, body: dict[str, Any], conversation: list[Message], owner: str, quota: storage.Quota) -> None:
     """Store the response for `quota.response_s`, entered in `owner`'s storage ledger when the quota caps
-    it (ingest.storage: the key's next request makes room if this took it past its cap)."""
+    it (ingest.http.storage: the key's next request makes room if this took it past its cap)."""
     doc = orjson.dumps({"v": VERSION, "body": body, "conversation": [message_to_dict(m) for m in conversation], "owner": owner})
     ttl = int(quota.response_s)
     await redis.set(keys.stored_response(response_id), doc, ex=ttl)

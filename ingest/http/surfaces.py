@@ -2,7 +2,7 @@
 differs between protocols on a generation (the path, the parser, the encoders, keep-alive, how n choices
 combine, the protocol's own state).
 
-A protocol is its parser (`ingest/<protocol>.py`), its encoder (`encoders/<protocol>.py`) and its row:
+A protocol is its parser (`ingest/parsers/<protocol>.py`), its encoder (`encoders/<protocol>.py`) and its row:
 `register(Surface(spec=ProtocolSpec(...), codec=Codec(...), parse=...))`. The built-in four are below; a
 protocol module named by `--protocol-module` registers its own as it is imported (`load_protocol_modules`,
 before the app is built), and is then served, dumped, replayed and re-encoded like them
@@ -24,8 +24,9 @@ from encoders import registry
 from encoders.fan_in import FanInEncoder
 from encoders.frames import Frame
 from encoders.registry import Codec, register_codec
-from ingest import anthropic_messages, openai_chat, openai_completions, openai_responses, responses_store
-from ingest.responses_store import Saver
+from ingest.http import responses_store
+from ingest.http.responses_store import Saver
+from ingest.parsers import anthropic_messages, openai_chat, openai_completions, openai_responses
 from models.prompt import PromptRenderer
 from shared import protocols
 from shared.deltas import Error, StreamDelta

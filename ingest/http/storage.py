@@ -4,7 +4,7 @@ A key's requests keep request records (the encoded IR of each, with its meta and
 `--dump-ttl`: dumps, replay, resume) and stored Responses (`store: true`, kept `MET_RESPONSE_TTL`,
 30 days). Each is an entry of the key's ledger (`keys.stored_index`: member → when it expires;
 `keys.stored_sizes`: member → bytes, and `#total`), written as it is stored: for a request by the
-admission script itself (ingest.publish, `LEDGER_LUA`), so the hot path pays no round trip of its own.
+admission script itself (ingest.http.publish, `LEDGER_LUA`), so the hot path pays no round trip of its own.
 Entries past their expiry leave the ledger on the next write.
 
 When a key's total passes its cap, what of it expires first is dropped early (`make_room`): request
@@ -41,7 +41,7 @@ _PRUNE_AT_ONCE = 256  # expired entries one write takes out (the rest go with la
 
 # A Lua function: prune entries of ledger `idx` / `sizes` that expired by `now`, add `entries` (a flat
 # list: member, bytes, expiry), keep both keys `keep` seconds, return the total. Embedded in the
-# admission script (ingest.publish) and in `_RECORD` below.
+# admission script (ingest.http.publish) and in `_RECORD` below.
 LEDGER_LUA = f"""
 local function ledger(idx, sizes, now, keep, entries)
   local old = redis.call('ZRANGEBYSCORE', idx, '-inf', now, 'LIMIT', 0, {_PRUNE_AT_ONCE})

@@ -29,8 +29,9 @@ import orjson
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from ingest import batch_jobs, files, storage
-from ingest.publish import LIFETIME_MARGIN_S, cancel, is_queued, submit_batch_line
+from ingest.batches import batch_jobs, files
+from ingest.http import storage
+from ingest.http.publish import LIFETIME_MARGIN_S, cancel, is_queued, submit_batch_line
 from shared import keys
 from shared.codec import delta_of, deltas_of
 from shared.deltas import Finish, StreamDelta, is_terminal

@@ -20,7 +20,7 @@ Hence:
   in CI (tests/e2e/test_abuse.py: 1.20 s without, 1.77 s with it, one 2-core run each), and beside a
   worker decoding on both cores it got so little CPU that the four counts outlasted a 900 s client
   timeout (a later CI run). A count is the client's answer too, not a job to starve.
-Past `tokenize_queue` large jobs waiting or running, another is refused at once (OpenAI 503, Anthropic 529: ingest.errors.status_for)
+Past `tokenize_queue` large jobs waiting or running, another is refused at once (OpenAI 503, Anthropic 529: ingest.parsers.errors.status_for)
 instead of queueing without bound. A job whose client left still runs to its end.
 Must not: know protocols or routes.
 """

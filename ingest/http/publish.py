@@ -13,19 +13,19 @@ from redis.exceptions import RedisError, WatchError
 
 from bus import cancels
 from bus.connect import is_cluster
-from ingest import storage
-from ingest.auth import ANONYMOUS
+from ingest.http import storage
+from ingest.http.auth import ANONYMOUS
 from shared import keys
 from shared.codec import ID_FIELD, QUEUED, REQUEST_FIELD, STREAM_MARKER, VERSION, Meta, encode_request, request_entry
 from shared.ir import Request
 
-OWNER = Meta.OWNER  # the request meta field naming the caller id that made it (ingest.auth.owns)
+OWNER = Meta.OWNER  # the request meta field naming the caller id that made it (ingest.http.auth.owns)
 BATCH_CLIENT = "batch"  # the client `met top` shows for a batch line
 
 
 @dataclass(frozen=True, slots=True)
 class Origin:
-    """Who made a request: the caller id that owns it (ingest.auth) and the client `met top` shows."""
+    """Who made a request: the caller id that owns it (ingest.http.auth) and the client `met top` shows."""
 
     owner: str = ANONYMOUS
     client: str = ""
@@ -160,7 +160,7 @@ async def admit(redis: Redis, request_ids: list[str], limit: int, *, request_tim
 
 # Admission and submission in one call (a single server: the keys of every part and the global ones may
 # be named together). KEYS: inflight, index, request stream, the owner's storage ledger (index, sizes:
-# ingest.storage), then per part ir, meta, deltas. ARGV: limit, stale before, now, owner, client, ledger
+# ingest.http.storage), then per part ir, meta, deltas. ARGV: limit, stale before, now, owner, client, ledger
 # keep ('': no ledger), record lifetime, then per part id, encoded IR, protocol, model, endpoint. As `admit`,
 # then for each part what `_queue` does, in its order, and its record into the ledger; -1 (nothing
 # written) when the queue is full, else the owner's stored bytes (0 with no ledger).
@@ -195,7 +195,7 @@ return ledger(KEYS[4], KEYS[5], now, ARGV[6], entries)
 @dataclass(frozen=True, slots=True)
 class Admission:
     """What admission checks a request against: the queue limit, how long a request may live (ids older are
-    stale), and the per-key storage quota (ingest.storage; None or a zero cap: no ledger)."""
+    stale), and the per-key storage quota (ingest.http.storage; None or a zero cap: no ledger)."""
 
     limit: int
     request_timeout: float
@@ -209,7 +209,7 @@ async def admit_and_submit(
     one atomic script on a single server (the API node's per-request Redis work: before, a script and a
     six-command pipeline); on a cluster, whose keys hash apart, `admit` then `submit_all`. `encoded`: the
     parts' records when the caller has them already. With a quota (its cap set) each part's record goes
-    into the owner's storage ledger (ingest.storage) and the owner's stored bytes are returned (else 0):
+    into the owner's storage ledger (ingest.http.storage) and the owner's stored bytes are returned (else 0):
     the caller makes room when they pass the cap."""
     owner, client = (origin.owner, origin.client) if origin else (ANONYMOUS, "")
     records = encoded or [encode_request(p) for p in parts]

@@ -2,9 +2,9 @@
 (`X-Request-Id` + `Last-Event-ID` on any generation route), the stored Responses routes (GET / DELETE
 /v1/responses/{id}, `?stream=true&starting_after=N`, POST .../cancel), and background followers.
 
-Every lookup is scoped to the caller's API key (ingest.auth.owns, applied in ingest.resume and
-ingest.responses_store): another key's id is a 404. Split from ingest/app.py, which keeps the
-generation flow; this module owns no storage (ingest.resume, ingest.responses_store do).
+Every lookup is scoped to the caller's API key (ingest.http.auth.owns, applied in ingest.http.resume and
+ingest.http.responses_store): another key's id is a 404. Split from ingest/http/app.py, which keeps the
+generation flow; this module owns no storage (ingest.http.resume, ingest.http.responses_store do).
 Must not: parse protocol bodies or encode frames (the app's `stream` does, through the Surface row).
 """
 
@@ -19,16 +19,16 @@ from blacksheep import Request as HttpRequest
 from blacksheep import Response
 
 from encoders.wire import tail
-from ingest import responses_store, resume
-from ingest.auth import caller_of
-from ingest.responses_store import Saver
-from ingest.surfaces import RESPONSES, Surface
+from ingest.http import responses_store, resume
+from ingest.http.auth import caller_of
+from ingest.http.responses_store import Saver
+from ingest.http.surfaces import RESPONSES, Surface
 from shared.deltas import Batch, StreamDelta, is_terminal
 from shared.errors import ApiError, invalid
 from shared.ir import Request
 
 if TYPE_CHECKING:
-    from ingest.app import Api
+    from ingest.http.app import Api
 
 
 async def resume_stream(api: Api, http: HttpRequest, surface: Surface, request_id: str, after: int, *, background: bool = False) -> Response:
@@ -44,7 +44,7 @@ async def resume_stream(api: Api, http: HttpRequest, surface: Surface, request_i
 
 
 async def resume_choices(api: Api, http: HttpRequest, surface: Surface, request_id: str, part_ids: list[str], last_event_id: str) -> Response:
-    """The rest of a stream of several choices (ingest.app.stream_choices): each choice re-encoded from
+    """The rest of a stream of several choices (ingest.http.app.stream_choices): each choice re-encoded from
     its first delta, from the position its entry in `Last-Event-ID` names."""
     parts = [await resume.load(api.redis, part, surface.protocol, caller=caller_of(http)) for part in part_ids]
     skip = resume.event_positions(last_event_id, len(parts) + 1, "Last-Event-ID")

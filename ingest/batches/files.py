@@ -5,7 +5,7 @@ Owns: upload (multipart `file` + `purpose`), list, get, content and delete, each
 A file is two keys (`shared.keys.file_meta` / `file_content`) with the retention TTL; its size is bounded
 by `--max-file-mb` (Redis holds strings up to 512 MB; the default 200 MB stays well under it), and what one
 key keeps by `--max-files-mb-per-key` (checked at upload, `check_quota`).
-Must not: parse batch lines (ingest.batch_jobs does).
+Must not: parse batch lines (ingest.batches.batch_jobs does).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from blacksheep import Request as HttpRequest
 from blacksheep.multipart import parse_multipart
 from redis.asyncio import Redis
 
-from ingest.limits import read_body
+from ingest.http.limits import read_body
 from shared import keys
 from shared.errors import ApiError, invalid
 from shared.settings import Settings
@@ -135,7 +135,7 @@ async def listing(redis: Redis, *, owner: str, purpose: str | None, limit: int, 
 
 async def read_upload(http: HttpRequest, settings: Settings) -> tuple[str, str, bytes]:
     """(filename, purpose, bytes) of a multipart upload, each part named in errors. The body is read as
-    every body is (ingest.limits.read_body): within the size limit as it arrives, declared or chunked
+    every body is (ingest.http.limits.read_body): within the size limit as it arrives, declared or chunked
     (413), and the body deadline (408), never spooled to disk; then parsed (blacksheep's parser, off the
     event loop: a 200 MB upload is a few hundred ms of splitting)."""
     limit = settings.max_file_mb * 2**20

@@ -2,14 +2,14 @@
 
 Flow per request: auth (`guarded`, every route but /health and /ready) → read JSON within the size,
 time and depth limits → protocol parser → IR → render the prompt (token ids into the IR; off the event
-loop, ingest.tokenizing) → admission checks (what it would store, rate limits, queue depth) → XADD →
+loop, ingest.http.tokenizing) → admission checks (what it would store, rate limits, queue depth) → XADD →
 answer by tailing the request's delta stream (SSE or one JSON body), observed for /metrics. Every check
-happens before any SSE header; nothing invalid is XADDed. The protocols' rows are ingest/surfaces.py;
-resumed streams and the stored-response routes are ingest/resume_routes.py.
+happens before any SSE header; nothing invalid is XADDed. The protocols' rows are ingest/http/surfaces.py;
+resumed streams and the stored-response routes are ingest/http/resume_routes.py.
 
 Size (~550 lines): the shared steps every route takes (limits, prepare, charge, publish, answer) in one
 class, so that each check runs in the same order for every protocol; routes beyond generation live in
-ingest/resume_routes.py and ingest/batch_routes.py.
+ingest/http/resume_routes.py and ingest/batches/batch_routes.py.
 """
 
 from __future__ import annotations
@@ -35,21 +35,22 @@ from redis.exceptions import RedisError
 from bus.connect import connect
 from bus.tails import Tails
 from encoders.wire import ClientLink, Event, Numbered, Presence, Slotted, StreamEncoder, collect, fan_in, sse_events, sse_response, tail
-from ingest import anthropic_messages, responses_store, resume, storage, tokenize
-from ingest.auth import CALLER, Authenticator, caller_of
-from ingest.batch_dispatch import BatchDispatcher
-from ingest.batch_routes import BatchLines, BatchRoutes
-from ingest.cache_salt import cache_salt
-from ingest.context import ContextPolicy, fit_max_tokens
-from ingest.errors import error_body, failure, status_for
-from ingest.limits import Charged, RateLimiter, check_stored_size, parse_json, read_body
-from ingest.metrics import CONTENT_TYPE, Metrics
-from ingest.models import ModelNames
-from ingest.publish import LIFETIME_MARGIN_S, Admission, Origin, admit_and_submit, cancel
-from ingest.readiness import readiness
-from ingest.resume_routes import Followers, ResponseRoutes, recording, resume_choices, resume_stream
-from ingest.surfaces import Surface, load_protocol_modules, surfaces
-from ingest.tokenizing import Tokenizing
+from ingest.batches.batch_dispatch import BatchDispatcher
+from ingest.batches.batch_routes import BatchLines, BatchRoutes
+from ingest.http import responses_store, resume, storage
+from ingest.http.auth import CALLER, Authenticator, caller_of
+from ingest.http.limits import Charged, RateLimiter, check_stored_size, parse_json, read_body
+from ingest.http.metrics import CONTENT_TYPE, Metrics
+from ingest.http.publish import LIFETIME_MARGIN_S, Admission, Origin, admit_and_submit, cancel
+from ingest.http.readiness import readiness
+from ingest.http.resume_routes import Followers, ResponseRoutes, recording, resume_choices, resume_stream
+from ingest.http.surfaces import Surface, load_protocol_modules, surfaces
+from ingest.http.tokenizing import Tokenizing
+from ingest.parsers import anthropic_messages, tokenize
+from ingest.parsers.cache_salt import cache_salt
+from ingest.parsers.context import ContextPolicy, fit_max_tokens
+from ingest.parsers.errors import error_body, failure, status_for
+from ingest.parsers.models import ModelNames
 from models.prompt import PromptRenderer
 from shared import keys
 from shared.codec import DELTA_FIELD
@@ -101,7 +102,7 @@ class Api:
         self.open_requests = 0  # route calls in progress (a non-streamed answer is one until it is written)
         self.auth = Authenticator.from_settings(settings)
         self.limiter = RateLimiter(self.redis, settings)
-        self.quota = storage.Quota.from_settings(settings, margin_s=LIFETIME_MARGIN_S)  # per-key storage (ingest.storage)
+        self.quota = storage.Quota.from_settings(settings, margin_s=LIFETIME_MARGIN_S)  # per-key storage (ingest.http.storage)
         self._making_room: dict[str, asyncio.Task[None]] = {}  # owner → its eviction in progress
         self.metrics = Metrics(self.redis, heartbeat_ttl=settings.heartbeat_ttl)
         self.followers = Followers()  # background responses being saved
@@ -128,9 +129,9 @@ class Api:
         return parse_json(await self.read_raw(http), self.settings.max_json_depth)
 
     def prepare(self, request: Request, body: Any) -> Request:
-        """Render the prompt, fit it and `max_tokens` into the context (ingest.context: clamp or refuse), and
+        """Render the prompt, fit it and `max_tokens` into the context (ingest.parsers.context: clamp or refuse), and
         attach token ids and the raw body."""
-        self.names.check(request.model)  # an unknown model name is a 404 (ingest.models)
+        self.names.check(request.model)  # an unknown model name is a 404 (ingest.parsers.models)
         if not self.renderer.info.vision and any(isinstance(p, ImagePart) for m in request.messages for p in m.content):
             raise invalid(f"The model {self.model_name} does not accept images.", "messages", "image_not_supported")
         if self.settings.upstream:  # gateway workers: the upstream applies constraints; refuse what it cannot be told
@@ -151,7 +152,7 @@ class Api:
         """The first request a body becomes, prepared, every part to queue (each `n` choice its own), each
         part's encoded record, and what the output constraint leaves out of the request's schemas; refused
         (413) when the parts would store more than `--max-stored-request-bytes`
-        (ingest.limits.check_stored_size). No I/O: runs on a tokenizing thread."""
+        (ingest.http.limits.check_stored_size). No I/O: runs on a tokenizing thread."""
         requests = [self.prepare(r, body) for r in surface.expand(body, request, self.renderer)]
         parts = [part for r in requests for part in fan_out(r)]
         relaxed = () if self.settings.upstream else self.renderer.relaxed_schemas(requests[0])
@@ -170,7 +171,7 @@ class Api:
         return {RELAXED_HEADER: value[:4000]}
 
     async def charge(self, http: HttpRequest, parts: list[Request]) -> Charged:
-        """Rate limits (ingest.limits): one request, and for each part its prompt plus the most it may generate."""
+        """Rate limits (ingest.http.limits): one request, and for each part its prompt plus the most it may generate."""
         limit = self.renderer.info.max_model_len
         tokens = sum(len(p.prompt_token_ids) + (p.sampling.max_tokens or limit - len(p.prompt_token_ids)) for p in parts)
         return await self.limiter.charge(caller_of(http), tokens=tokens)
@@ -194,7 +195,7 @@ class Api:
         self.make_room(owner, stored)
 
     def make_room(self, owner: str, stored: int) -> None:
-        """Past its storage cap, drop what of `owner`'s records expires first (ingest.storage), on a task of its
+        """Past its storage cap, drop what of `owner`'s records expires first (ingest.http.storage), on a task of its
         own (one per owner at a time): the request that brought it past is not held up."""
         if not self.quota.cap or stored <= self.quota.cap or owner in self._making_room:
             return
@@ -232,7 +233,7 @@ class Api:
         skip: int = -1,
         attached: resume.Attached = resume.FIRST,
     ) -> Response:
-        """SSE for a stream, resumable (ingest.resume): a client that leaves gets `--resume-grace-s` to
+        """SSE for a stream, resumable (ingest.http.resume): a client that leaves gets `--resume-grace-s` to
         come back before the generation is cancelled; a background one is never cancelled by leaving."""
         abandon = _nothing if attached.detached else resume.graceful_cancel(self.redis, request.id, self.settings.resume_grace_s, attached=attached.count)
         link = ClientLink(presence=presence, on_abandon=abandon)
@@ -477,7 +478,7 @@ def _protocol_of_path(http: HttpRequest) -> Protocol:
 
 
 def _add_batch_routes(app: Application, api: Api, lines: BatchLines) -> None:
-    """Files, Batches and Message Batches (ingest/batch_routes.py); the dispatcher runs beside the app."""
+    """Files, Batches and Message Batches (ingest/batches/batch_routes.py); the dispatcher runs beside the app."""
     routes = BatchRoutes(api, lines, caller=caller_of)
     openai, anthropic = Protocol.OPENAI_CHAT, Protocol.ANTHROPIC_MESSAGES
     table: list[tuple[str, str, Protocol, Handler]] = [

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ingest import constraints
-from ingest import fields as f
+from ingest.parsers import constraints
+from ingest.parsers import fields as f
 from models.reasoning import EFFORT_BUDGETS
 from shared.errors import invalid
 from shared.ir import ContentPart, ImagePart, Message, Protocol, Request, Role, SamplingParams, TextPart, Thinking, ToolCall, ToolSpec

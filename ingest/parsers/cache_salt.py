@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ingest.auth import ANONYMOUS
+from ingest.http.auth import ANONYMOUS
 from shared.errors import invalid
 
 MAX_SALT_CHARS = 256

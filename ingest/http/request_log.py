@@ -2,7 +2,7 @@
 
 Owns: what the line holds: request id, protocol, model, status (the finish reason, `error:<kind>`, or
 `abandoned` for a client that left before the end), prompt / output tokens, time to first token,
-total time and the client's address. Fed by `ingest.metrics.Metrics.observe`, which already sees
+total time and the client's address. Fed by `ingest.http.metrics.Metrics.observe`, which already sees
 every request's deltas and timing. Must not: log a body, a message, a header or a key.
 
 The fields also travel as `record.fields`, so `--log-format json` (cli/logs.py) writes them as JSON

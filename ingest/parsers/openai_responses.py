@@ -19,10 +19,10 @@ import hashlib
 from dataclasses import replace
 from typing import Any
 
-from ingest import constraints
-from ingest import fields as f
-from ingest.openai_chat import metadata as metadata_pairs
-from ingest.openai_chat import reasoning_effort, sampling
+from ingest.parsers import constraints
+from ingest.parsers import fields as f
+from ingest.parsers.openai_chat import metadata as metadata_pairs
+from ingest.parsers.openai_chat import reasoning_effort, sampling
 from shared.errors import invalid
 from shared.ir import (
     Constraint,

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from ingest import fields as f
-from ingest.openai_chat import MAX_N, metadata, sampling
+from ingest.parsers import fields as f
+from ingest.parsers.openai_chat import MAX_N, metadata, sampling
 from shared.errors import invalid
 from shared.ir import Protocol, Request, TextCompletion
 

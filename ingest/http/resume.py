@@ -23,8 +23,8 @@ from blacksheep import Request as HttpRequest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from ingest.auth import owns
-from ingest.publish import cancel, owner_of
+from ingest.http.auth import owns
+from ingest.http.publish import cancel, owner_of
 from shared import keys
 from shared.codec import decode_request
 from shared.errors import ApiError, invalid

@@ -1,7 +1,7 @@
 """`--dump-dir`: append every finished request to rotating JSONL files, from the API process.
 
 Owns: a background asyncio task that follows the `met:finished` feed (XREAD), loads each finished
-request's dump record (ingest.dump_reader) and appends it as one JSON line to
+request's dump record (ingest.dumps.dump_reader) and appends it as one JSON line to
 `DIR/metrale-dumps-<UTC date>-<n>.jsonl`, starting a new file when the next line would pass the size limit
 (64 MiB) or the UTC date changes. Lines are redacted by `shared.dumps.record_to_line`. Started and stopped
 by `cli.serve.run_api`, never by the HTTP app.
@@ -39,7 +39,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from bus.connect import connect
-from ingest.dump_reader import load_record
+from ingest.dumps.dump_reader import load_record
 from shared import keys
 from shared.codec import CodecError, request_id_of
 from shared.dumps import record_to_line

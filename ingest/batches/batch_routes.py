@@ -4,8 +4,8 @@ routes use (so a line's result is exactly the body a non-streaming client of tha
 
 Owns: request bodies and query parameters of these routes, the caller scoping (a key sees only its
 own files and batches; another key's id is a 404), and each protocol's result lines.
-Must not: queue anything itself (ingest.batch_dispatch does) or know storage keys (ingest.files,
-ingest.batch_jobs do).
+Must not: queue anything itself (ingest.batches.batch_dispatch does) or know storage keys (ingest.batches.files,
+ingest.batches.batch_jobs do).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import orjson
 from blacksheep import Content, Response
 from blacksheep import Request as HttpRequest
 
-from ingest import batch_jobs, files
-from ingest.auth import ANONYMOUS
-from ingest.batch_jobs import ANTHROPIC, OPENAI
-from ingest.cache_salt import cache_salt
-from ingest.errors import error_body, failure
+from ingest.batches import batch_jobs, files
+from ingest.batches.batch_jobs import ANTHROPIC, OPENAI
+from ingest.http.auth import ANONYMOUS
+from ingest.parsers.cache_salt import cache_salt
+from ingest.parsers.errors import error_body, failure
 from shared.deltas import Finish, FinishReason, StreamDelta
 from shared.errors import ApiError, invalid
 from shared.ir import Protocol, Request
@@ -72,7 +72,7 @@ class BatchLines:
         self.request({"endpoint": endpoint}, {"body": body}, "check")
 
     async def prepare(self, doc: dict[str, Any], line: dict[str, Any], request_id: str, *, size: int) -> Request:
-        """`request` on the API node's tokenizing lanes (ingest.tokenizing): a line's prompt is parsed and
+        """`request` on the API node's tokenizing lanes (ingest.http.tokenizing): a line's prompt is parsed and
         rendered off the event loop like any body, a line over 1 MiB on the large lane, in turn with the
         interactive bodies there (busy: ApiError `overloaded`, and the dispatcher tries again later)."""
         return await self.api.tokenizing.run(size, partial(self.request, doc, line, request_id))

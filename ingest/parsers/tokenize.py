@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ingest import fields as f
-from ingest.openai_chat import MAX_MESSAGES, MAX_TOOLS, _message, _tool, prompt_mode
+from ingest.parsers import fields as f
+from ingest.parsers.openai_chat import MAX_MESSAGES, MAX_TOOLS, _message, _tool, prompt_mode
 from models.prompt import PromptRenderer
 from shared.errors import invalid
 

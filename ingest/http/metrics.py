@@ -4,7 +4,7 @@ Owns: one `CollectorRegistry` per app (never the global default registry), holdi
 - what this API node observes from the delta streams it tails (streaming and not): requests by
   protocol and finish reason, prompt / generation tokens, time to first token, inter-token latency,
   end-to-end latency, queue time (`claimed_at - received_at` from the request's meta hash), and HTTP
-  errors by status; and, beside them, each finished request's access-log line (ingest/request_log.py). Several API nodes each expose their own; Prometheus sums them.
+  errors by status; and, beside them, each finished request's access-log line (ingest/http/request_log.py). Several API nodes each expose their own; Prometheus sums them.
 - cluster figures read from Redis at scrape time (`ClusterCollector`): requests running / waiting
   KV-cache usage (blocks in use / pool) and prefix-cache queries / hits (prompt tokens looked up /
   found cached; counters of each live worker's life, so a worker that leaves takes its share with it:
@@ -34,7 +34,7 @@ from prometheus_client.utils import floatToGoString
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from ingest.request_log import RequestTiming, log_finished
+from ingest.http.request_log import RequestTiming, log_finished
 from shared import keys
 from shared.codec import Meta
 from shared.deltas import Batch, Error, Finish, StreamDelta, is_terminal
@@ -268,7 +268,7 @@ class Metrics:
 class Observation:
     """One request's deltas as /metrics and the access log see them: fed each batch as it passes
     (`batch`), closed when its stream ends (`close`: a stream left before its terminal event counts as
-    'abandoned'). Either way the request's access-log line is written (ingest/request_log.py)."""
+    'abandoned'). Either way the request's access-log line is written (ingest/http/request_log.py)."""
 
     def __init__(self, metrics: Metrics, request: Request, client: str) -> None:
         self.metrics = metrics

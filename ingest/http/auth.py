@@ -8,7 +8,7 @@ the key — for rate-limit buckets and logs.
 
 With no key configured every route is open: `met serve` on 127.0.0.1 without keys is for local use.
 With any key configured every route but the public ones (/health, /ready) needs one; the app decides
-by the handler the router picked (see `ingest.app.guarded`), never by re-reading the path.
+by the handler the router picked (see `ingest.http.app.guarded`), never by re-reading the path.
 Ownership: whatever a caller creates that others could name by id (stored responses, resumable streams,
 files, batches) records its caller id as owner; `owns` is the one rule: with auth off everyone owns
 everything (unchanged behaviour), with auth on only the creator does, and anyone else gets a 404, as
@@ -28,7 +28,7 @@ from shared.errors import ApiError
 from shared.settings import Settings
 
 ANONYMOUS = "anonymous"  # the caller id when no key is configured (one shared rate-limit bucket)
-CALLER = "met.caller"  # ASGI scope key: the authenticated caller id (set by ingest.app.guarded)
+CALLER = "met.caller"  # ASGI scope key: the authenticated caller id (set by ingest.http.app.guarded)
 
 
 def caller_of(http: Any) -> str:
