@@ -84,6 +84,9 @@ class Outbox:
         for e in self.outbox[:sent]:
             by_request[e.request_id].append(e)
         writes = [self._write_of(rid, batch) for rid, batch in by_request.items() if rid in self.held]
+        if not writes:  # only emissions of requests this worker no longer holds (cancelled, stale): nothing to write
+            del self.outbox[:sent]
+            return
         groups = _by_slot(writes) if self._cluster else [writes]
         now = time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -91,7 +94,7 @@ class Outbox:
                 script_keys, args = leases.fenced_args(group, ttl=self.settings.dump_ttl, now=now)
                 queue_script(pipe, self._fenced, script_keys, args, loaded=self._fenced_loaded)
             try:
-                results = await pipe.execute() if groups and writes else []
+                results = await pipe.execute()
             except NoScriptError:  # a restarted (or flushed) Redis lost it: the next try loads it again
                 self._fenced_loaded = False
                 raise

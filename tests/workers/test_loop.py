@@ -22,7 +22,7 @@ from shared.deltas import Content, Error, Finish, StreamDelta, is_terminal
 from shared.ir import Request
 from shared.settings import Settings
 from workers import leases
-from workers.engine import Engine
+from workers.engine import Emission, Engine
 from workers.faults import FAULT_INJECTION_FILE
 from workers.loop import WorkerLoop
 from workers.main import redis_client
@@ -105,6 +105,22 @@ def test_step_once_claims_generates_writes_through_the_fence_and_acks(redis_serv
         await loop.heartbeat()
         beat = await redis.hgetall(keys.worker_info(loop.worker_id))
         assert int(beat[b"steps"]) == steps > 0 and int(beat[b"decode_tokens"]) > 0  # the figures the step handed over
+
+    run(redis_server, body)
+
+
+def test_an_outbox_holding_only_emissions_of_requests_no_longer_held_is_dropped_without_a_write(redis_server: str) -> None:
+    """A request that ended here (a client that left, a stale attempt) can leave emissions in the outbox
+    after it is no longer held. Before: the write had nothing to send, got no results back, and the
+    worker died on `zip(groups, results, strict=True)` (seen on CI: a gateway worker after a client left)."""
+
+    async def body(redis: Redis) -> None:
+        rid = f"gone-{time.monotonic_ns()}"
+        loop = make_loop(redis)
+        loop.outbox.append(Emission(rid, Content(text="late", attempt=1)))
+        assert rid not in loop.held
+        await loop.publish([])
+        assert not loop.outbox and not await redis.exists(keys.delta_stream(rid))
 
     run(redis_server, body)
 
