@@ -75,13 +75,43 @@ def _echo(request: Request) -> dict[str, Any]:
         body = {}
     body = body if isinstance(body, dict) else {}
     text = body.get("text")
+    tier = body.get("service_tier")
     return {
         "instructions": body.get("instructions") if isinstance(body.get("instructions"), str) else None,
+        "safety_identifier": _string_or_none(body.get("safety_identifier")),
+        "prompt_cache_key": _string_or_none(body.get("prompt_cache_key")),
+        # one tier here: `auto` and `default` are echoed as OpenAI echoes them, anything else ran as `default`
+        "service_tier": tier if tier in ("auto", "default") else "default",
         "previous_response_id": body.get("previous_response_id") if isinstance(body.get("previous_response_id"), str) else None,
         "store": body["store"] if isinstance(body.get("store"), bool) else True,
         "background": body.get("background") is True,
-        "text": text if isinstance(text, dict) and isinstance(text.get("format"), dict) else {"format": {"type": "text"}},
+        "text": _text_field(text),
     }
+
+
+def _text_field(text: Any) -> dict[str, Any]:
+    """The request's `text` as a response reports it: the format with every field the object has
+    (a json_schema format's `description` null and `strict` false when not given), `verbosity` if set."""
+    text = text if isinstance(text, dict) else {}
+    fmt = text.get("format") if isinstance(text.get("format"), dict) else {"type": "text"}
+    if fmt.get("type") == "json_schema":
+        fmt = {
+            "type": "json_schema",
+            "name": fmt.get("name"),
+            "description": _string_or_none(fmt.get("description")),
+            "schema": fmt.get("schema"),
+            "strict": fmt.get("strict") is True,
+        }
+    elif fmt.get("type") in ("text", "json_object"):
+        fmt = {"type": fmt["type"]}
+    out: dict[str, Any] = {"format": fmt}
+    if text.get("verbosity") in ("low", "medium", "high"):
+        out["verbosity"] = text["verbosity"]
+    return out
+
+
+def _string_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _tool_choice(request: Request) -> Any:
@@ -232,6 +262,7 @@ class _ResponseState:
             "id": response_id(r),
             "object": "response",
             "created_at": int(r.created),
+            "completed_at": terminal.get("completed_at"),
             "status": status,
             "background": self._echo["background"],
             "error": terminal.get("error"),
@@ -245,11 +276,18 @@ class _ResponseState:
             "previous_response_id": self._echo["previous_response_id"],
             "reasoning": {"effort": r.thinking.effort, "summary": r.thinking.summary},
             "store": self._echo["store"],
-            "temperature": s.temperature,
+            "temperature": s.temperature,  # what ran: the API node filled it if the request did not (shared.protocols `reports_sampling`)
             "text": self._echo["text"],
             "tool_choice": _tool_choice(r),
             "tools": _tools(r.tools),
             "top_p": s.top_p,
+            "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "top_logprobs": s.top_logprobs,
+            "max_tool_calls": r.max_tool_calls,
+            "service_tier": self._echo["service_tier"],
+            "safety_identifier": self._echo["safety_identifier"],
+            "prompt_cache_key": self._echo["prompt_cache_key"],
             "truncation": "disabled",
             "usage": terminal.get("usage"),
             "user": None,
@@ -328,7 +366,12 @@ class _ResponseState:
     def _complete(self, finish: Finish) -> list[dict[str, Any]]:
         self.finish = finish
         status, reason = finish.reason.responses_status, finish.reason.responses_incomplete_reason
-        self.terminal = self.response(status, usage=usage_json(finish.usage), incomplete_details={"reason": reason} if reason else None)
+        self.terminal = self.response(
+            status,
+            usage=usage_json(finish.usage),
+            incomplete_details={"reason": reason} if reason else None,
+            completed_at=int(finish.at) if finish.at and status == "completed" else None,
+        )
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return [{"type": kind, "response": self.terminal}]
 

@@ -190,13 +190,16 @@ class Refusal:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Finish:
-    """Terminal. `token_ids` holds generated tokens not attached to an earlier delta (held-back text)."""
+    """Terminal. `token_ids` holds generated tokens not attached to an earlier delta (held-back text);
+    `at` the wall-clock time (Unix seconds) the producer finished the request (0.0: not recorded, as in
+    dumps from before it was), shown as a Responses object's `completed_at`."""
 
     reason: FinishReason
     usage: Usage
     matched_stop: str | None = None
     token_ids: tuple[int, ...] = ()
     attempt: int = 1
+    at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

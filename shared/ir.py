@@ -298,6 +298,7 @@ class Request:
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: str | None = None
     parallel_tool_calls: bool = True
+    max_tool_calls: int | None = None  # the most calls a turn may make (the Responses API's field; None: no cap)
     constraint: Constraint | None = None
     thinking: Thinking = field(default_factory=Thinking)
     completion: TextCompletion | None = None

@@ -37,6 +37,9 @@ class ProtocolSpec:
     prompt_param: str = "messages"  # how a context error names the prompt ...
     max_tokens_param: str = "max_tokens"  # ... and the output limit (an Anthropic-shaped protocol uses Anthropic's wording)
     finish_label: Callable[[FinishReason], str] = lambda reason: reason.value  # a finish reason in the protocol's own words (dumps, replay)
+    # Sampling fields the protocol's response reports as the values used: the API node fills those a request
+    # leaves unset before it is queued (ingest.http.app `Api.prepare`), so what is reported is what runs.
+    reports_sampling: tuple[str, ...] = ()
 
 
 _SPECS: dict[Protocol, ProtocolSpec] = {}
@@ -69,7 +72,9 @@ MESSAGES = register_spec(
 )
 RESPONSES = register_spec(
     ProtocolSpec(
-        protocol=Protocol.OPENAI_RESPONSES, path="/v1/responses", name="responses", prompt_param="input", max_tokens_param="max_output_tokens", finish_label=_responses_label
+        protocol=Protocol.OPENAI_RESPONSES, path="/v1/responses", name="responses", prompt_param="input", max_tokens_param="max_output_tokens",
+        finish_label=_responses_label,
+        reports_sampling=("temperature", "top_p"),
     )
 )
 COMPLETIONS = register_spec(

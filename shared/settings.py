@@ -328,14 +328,16 @@ class Settings:
     )
     log_format: str = setting("plain", EVERY, "plain (default) or json: one JSON object a line, for log shippers.")
     # Sampling defaults (models/generation.py): a request's value → these flags → the generation config.
+    # An API node uses the first three too: it fills the values a Responses object reports as used
+    # (temperature, top_p) before queueing, so in a split deployment give API nodes the same ones.
     generation_config: str = setting(
         "auto",
-        WORKER,
+        EVERY,
         "Sampling defaults: auto (the model's generation_config.json, or the shipped defaults of the default model), "
         "none, or a generation_config.json file.",
     )
-    default_temperature: float | None = setting(None, WORKER, "Temperature for requests that set none (over the generation config).")
-    default_top_p: float | None = setting(None, WORKER, "top_p for requests that set none.")
+    default_temperature: float | None = setting(None, EVERY, "Temperature for requests that set none (over the generation config).")
+    default_top_p: float | None = setting(None, EVERY, "top_p for requests that set none.")
     default_top_k: int | None = setting(None, WORKER, "top_k for requests that set none (0: off).")
     default_min_p: float | None = setting(None, WORKER, "min_p for requests that set none.")
     default_repetition_penalty: float | None = setting(None, WORKER, "repetition_penalty for requests that set none.")

@@ -66,6 +66,8 @@ def check_expressible(request: Request, *, flavor: str = "vllm") -> None:
         raise invalid("An explicit reasoning budget cannot be sent to this server's upstream.", "thinking.budget_tokens", "unsupported_parameter")
     if request.return_token_ids:
         raise invalid("Token ids cannot be returned by this server's upstream.", "return_token_ids", "unsupported_parameter")
+    if request.max_tool_calls is not None:
+        raise invalid("A cap on tool calls cannot be sent to this server's upstream.", "max_tool_calls", "unsupported_parameter")
     _check_sampling(request, request.sampling, flavor)
 
 

@@ -23,11 +23,13 @@ import redis
 from cli.embedded_redis import EmbeddedRedis, free_port
 from models.files import local_folder
 from shared.settings import Settings
+from tests import openresponses
 
 ROOT = Path(__file__).resolve().parent.parent
 # The suite's clients ask for short model names ("m") where the name is not the point; every server a test
 # starts inherits this and serves any name. tests/e2e/test_model_names.py turns it off (the default: a 404).
 os.environ.setdefault("MET_ACCEPT_ANY_MODEL", "1")
+openresponses.install()  # every /v1/responses answer any test gets is checked against the Open Responses schema
 LIVE_MAX_QUEUE = 32  # the session server's admission limit (tests/e2e/test_scheduling.py overflows it)
 
 

@@ -382,7 +382,7 @@ class ClaimLoop(Outbox, Generic[E]):
             return [await self.dead_letter(request, claimed)]
         if flag is not None:  # read before the attempt began; a cancel after it comes on the cancel feed
             usage = Usage(prompt_tokens=len(request.prompt_token_ids))
-            return [self._as_cancel(Emission(request.id, Finish(reason=FinishReason.CANCELLED, usage=usage, attempt=attempt)), flag)]
+            return [self._as_cancel(Emission(request.id, Finish(reason=FinishReason.CANCELLED, usage=usage, attempt=attempt, at=time.time())), flag)]
         if self.faults.crash_on and self.faults.crash_on in request.raw_body:
             log.critical("fault injection: exiting hard on request %s (crash_on)", request.id)
             os._exit(70)

@@ -56,7 +56,7 @@ from workers.detok import IncrementalDetokenizer, StopMatcher
 from workers.reasoning import Channel, ReasoningSpan
 from workers.scheduler import Sampled, Scheduler, Sequence, StepPlan
 from workers.tool_parsers import ToolParser
-from workers.tools import RepeatGuard, make_parser
+from workers.tools import CallCap, RepeatGuard, make_parser
 
 log = logging.getLogger(__name__)
 FAILED_STEP = "The worker failed while generating this response."
@@ -380,13 +380,13 @@ class Engine:
         if matched is not None:
             self._emit_final(seq, "", out)
             out.append(self._finish(seq, FinishReason.STOP_SEQUENCE, matched_stop=matched))
-        elif (seq.grammar is not None and seq.grammar.is_stopped()) or getattr(state.tools, "repeated", False):
+        elif (seq.grammar is not None and seq.grammar.is_stopped()) or getattr(state.tools, "ended", False):
             self._emit_final(seq, state.stops.flush(), out)
             out.append(self._finish(seq, FinishReason.STOP))
         elif len(seq.output) >= state.max_tokens or seq.length >= self.runner.max_len:
             self._emit_final(seq, state.stops.flush(), out, cut=True)
             # a repeat cut mid-way was dropped (workers.tools.RepeatGuard): what was delivered is whole calls
-            out.append(self._finish(seq, FinishReason.STOP if getattr(state.tools, "repeated", False) else FinishReason.LENGTH))
+            out.append(self._finish(seq, FinishReason.STOP if getattr(state.tools, "ended", False) else FinishReason.LENGTH))
         return out
 
     def _logprob(self, token: int, logprob: float, alternatives: tuple[tuple[int, float], ...]) -> TokenLogprob:
@@ -490,7 +490,7 @@ class Engine:
         )
         if state.calls:
             self._check_calls(seq)
-        delta = Finish(reason=reason, usage=usage, matched_stop=matched_stop, token_ids=tuple(state.pending_ids), attempt=seq.attempt)
+        delta = Finish(reason=reason, usage=usage, matched_stop=matched_stop, token_ids=tuple(state.pending_ids), attempt=seq.attempt, at=time.time())
         self.runner.release(seq)
         self.scheduler.finish(seq)
         del self._seqs[seq.key]
@@ -498,9 +498,11 @@ class Engine:
 
 
 def _tool_parser(fmt: ToolFormat, request: Request) -> ToolParser:
-    parser = make_parser(for_request(fmt, request), f"call_{request.id}")
+    parser: ToolParser = make_parser(for_request(fmt, request), f"call_{request.id}")
     if request.tool_choice == "required" and request.parallel_tool_calls:
-        return RepeatGuard(parser)  # the grammar lets calls follow calls: a repeated call ends the turn
+        parser = RepeatGuard(parser)  # the grammar lets calls follow calls: a repeated call ends the turn
+    if request.max_tool_calls is not None:
+        parser = CallCap(parser, request.max_tool_calls)
     return parser
 
 

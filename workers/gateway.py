@@ -172,7 +172,7 @@ class Gateway:
             return []
         self._ended.add(request_id)
         task.cancel()
-        return [Emission(request_id, Finish(reason=FinishReason.CANCELLED, usage=Usage(), attempt=self._attempts.get(request_id, 1)))]
+        return [Emission(request_id, Finish(reason=FinishReason.CANCELLED, usage=Usage(), attempt=self._attempts.get(request_id, 1), at=time.time()))]
 
     def discard(self, request_id: str) -> None:
         task = self._tasks.get(request_id)
@@ -236,7 +236,7 @@ class Gateway:
             async with asyncio.timeout(remaining):
                 await self._stream(request, attempt, continuing)
         except TimeoutError:
-            self._put(request.id, Finish(reason=FinishReason.TIMEOUT, usage=Usage(), attempt=attempt))
+            self._put(request.id, Finish(reason=FinishReason.TIMEOUT, usage=Usage(), attempt=attempt, at=time.time()))
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -248,7 +248,7 @@ class Gateway:
         if continuing is not None:
             left = request.sampling.max_tokens - continuing.tokens if request.sampling.max_tokens else None
             if left is not None and left <= 0:
-                self._put(request.id, Finish(reason=FinishReason.LENGTH, usage=self._usage(request, continuing, Usage()), attempt=attempt))
+                self._put(request.id, Finish(reason=FinishReason.LENGTH, usage=self._usage(request, continuing, Usage()), attempt=attempt, at=time.time()))
                 return
             body = continue_body(body, continuing.text, max_tokens=left)
         give_up = time.monotonic() + self.upstream.connect_timeout_s
@@ -301,7 +301,7 @@ class Gateway:
                 texts.append(delta.name if isinstance(delta, ToolCallStart) else delta.arguments)
             elif isinstance(delta, Finish):
                 usage = delta.usage if parser.saw_usage else self._estimated_usage(request, delta, "".join(texts), continuing)
-                delta = replace(delta, usage=self._usage(request, continuing, usage))
+                delta = replace(delta, usage=self._usage(request, continuing, usage), at=time.time())
             self._put(request.id, delta)
 
     @staticmethod

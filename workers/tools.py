@@ -198,6 +198,38 @@ class RepeatGuard:
             self._held = None
 
 
+    @property
+    def ended(self) -> bool:
+        return self.repeated
+
+
+class CallCap:
+    """Ends a turn once it holds `cap` whole calls (the Responses API's `max_tool_calls`): the engine
+    finishes the request the moment the cap-th call closes (`ended`), and any delta of a later call the
+    same text already opened is dropped. Wraps any parser, or a `RepeatGuard`."""
+
+    def __init__(self, inner: ToolParser, cap: int) -> None:
+        self._inner = inner
+        self._cap = cap
+
+    @property
+    def calls(self) -> int:
+        return min(self._inner.calls, self._cap)
+
+    @property
+    def ended(self) -> bool:
+        return self._inner.calls >= self._cap or bool(getattr(self._inner, "ended", False))
+
+    def push(self, text: str) -> list[StreamDelta]:
+        return self._within(self._inner.push(text))
+
+    def flush(self, cut: bool = False) -> list[StreamDelta]:
+        return self._within(self._inner.flush(cut))
+
+    def _within(self, deltas: list[StreamDelta]) -> list[StreamDelta]:
+        return [d for d in deltas if not isinstance(d, ToolCallStart | ToolCallArgs) or d.index < self._cap]
+
+
 PARSERS: dict[str, Callable[[str], ToolParser]] = {HERMES.name: HermesParser, LLAMA3.name: Llama3Parser, MISTRAL.name: MistralParser}
 
 

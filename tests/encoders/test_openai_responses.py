@@ -343,12 +343,13 @@ def test_golden_plain_text_frames() -> None:
     deltas: list[StreamDelta] = [
         Content(text="Hi"),
         Content(text=" there"),
-        Finish(reason=FinishReason.STOP, usage=Usage(prompt_tokens=4, completion_tokens=2, cached_tokens=1)),
+        Finish(reason=FinishReason.STOP, usage=Usage(prompt_tokens=4, completion_tokens=2, cached_tokens=1), at=1700000003.7),
     ]
     response = {
         "id": "resp_req01",
         "object": "response",
         "created_at": 1700000000,
+        "completed_at": None,
         "status": "in_progress",
         "background": False,
         "error": None,
@@ -367,6 +368,13 @@ def test_golden_plain_text_frames() -> None:
         "tool_choice": "auto",
         "tools": [],
         "top_p": None,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "top_logprobs": 0,
+        "max_tool_calls": None,
+        "service_tier": "default",
+        "safety_identifier": None,
+        "prompt_cache_key": None,
         "truncation": "disabled",
         "usage": None,
         "user": None,
@@ -383,7 +391,7 @@ def test_golden_plain_text_frames() -> None:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 6,
     }
-    completed = response | {"status": "completed", "output": [done_item], "usage": usage}
+    completed = response | {"status": "completed", "completed_at": 1700000003, "output": [done_item], "usage": usage}
     expected = [
         {"type": "response.created", "response": response},
         {"type": "response.in_progress", "response": response},

@@ -19,7 +19,8 @@ STOPS = {"metrale_stop_sequence": (" 6",), "llamacpp_stop_sequence": (".",)}
 
 
 def as_json(delta: StreamDelta) -> dict[str, Any]:
-    return {"type": type(delta).__name__, **{k: v for k, v in dataclasses.asdict(delta).items() if v not in ((), None, "")}}
+    # `at` (a Finish's time) is stamped by the gateway worker, not the parser: 0.0 here, left out like the other unset fields
+    return {"type": type(delta).__name__, **{k: v for k, v in dataclasses.asdict(delta).items() if v not in ((), None, "") and (k, v) != ("at", 0.0)}}
 
 
 def parse(raw: bytes, *, piece: int = 0, stops: tuple[str, ...] = ()) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ import pytest
 
 from shared.deltas import Content, StreamDelta, ToolCallArgs, ToolCallStart
 from workers.tool_parsers import Llama3Parser, MistralParser
-from workers.tools import HermesParser, RepeatGuard
+from workers.tools import CallCap, HermesParser, RepeatGuard
 
 TWO_CALLS = (
     'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}</tool_call>\n'
@@ -135,3 +135,23 @@ def test_calls_that_differ_are_all_delivered(size: int) -> None:
         ("args2", '{"city": "Paris2"}'),
         ("args3", '{"city": "Paris"}'),
     ]
+
+
+@pytest.mark.parametrize("size", [1, 7, 1000])
+def test_a_call_cap_ends_the_turn_at_the_cap_th_call_and_drops_later_ones(size: int) -> None:
+    """`max_tool_calls`: the turn ends as the cap-th call closes; a later call in the same text never reaches the client."""
+    text = TWO_CALLS + '<tool_call>{"name":"get_date","arguments":{}}</tool_call>\n'
+    cap = CallCap(RepeatGuard(HermesParser("c")), 2)
+    out: list[StreamDelta] = []
+    ended_after = None
+    for i in range(0, len(text), size):
+        out += cap.push(text[i : i + size])
+        if cap.ended and ended_after is None:
+            ended_after = i + size
+    out += cap.flush()
+    merged = summary(out)
+    assert [m[1][2] for m in merged if m[0] == "start"] == ["get_weather", "get_time"]  # type: ignore[index]
+    assert cap.ended and cap.calls == 2
+    assert ended_after is not None and ended_after <= len(TWO_CALLS) + size  # as soon as the second call closed
+    uncapped = CallCap(HermesParser("c"), 3)
+    assert [m[1][2] for m in summary(uncapped.push(text) + uncapped.flush()) if m[0] == "start"] == ["get_weather", "get_time", "get_date"]  # type: ignore[index]
