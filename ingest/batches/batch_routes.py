@@ -22,7 +22,9 @@ from blacksheep import Request as HttpRequest
 
 from ingest.batches import batch_jobs, files
 from ingest.batches.batch_jobs import ANTHROPIC, OPENAI
+from ingest.http import file_refs
 from ingest.http.auth import ANONYMOUS
+from ingest.parsers import file_inputs
 from ingest.parsers.cache_salt import cache_salt
 from ingest.parsers.errors import error_body, failure
 from shared.deltas import Finish, FinishReason, StreamDelta
@@ -68,13 +70,19 @@ class BatchLines:
         return self.surfaces[next(s.protocol for s in specs() if s.path == doc["endpoint"])]
 
     def check(self, endpoint: str, body: dict[str, Any]) -> None:
-        """Validation at creation: the line's body goes through the route's parser and prompt checks."""
-        self.request({"endpoint": endpoint}, {"body": body}, "check")
+        """Validation at creation: the line's body goes through the route's parser and prompt checks, all but
+        its `file_id` parts, which are read when the line is dispatched (`prepare`: a missing or refused file
+        makes that line's result an error)."""
+        self.request({"endpoint": endpoint}, {"body": file_inputs.without_references(body)}, "check")
 
     async def prepare(self, doc: dict[str, Any], line: dict[str, Any], request_id: str, *, size: int) -> Request:
         """`request` on the API node's tokenizing lanes (ingest.http.tokenizing): a line's prompt is parsed and
         rendered off the event loop like any body, a line over 1 MiB on the large lane, in turn with the
-        interactive bodies there (busy: ApiError `overloaded`, and the dispatcher tries again later)."""
+        interactive bodies there (busy: ApiError `overloaded`, and the dispatcher tries again later). Its
+        `file_id` parts are first resolved from the batch owner's files (ingest.http.file_refs)."""
+        if file_inputs.file_parts(line.get("body")):  # only a line with files has anything to read from the store
+            resolved = await file_refs.resolve(self.api.redis, line["body"], owner=doc["owner"])
+            line, size = {**line, "body": resolved.body}, size + resolved.added
         return await self.api.tokenizing.run(size, partial(self.request, doc, line, request_id))
 
     def request(self, doc: dict[str, Any], line: dict[str, Any], request_id: str) -> Request:

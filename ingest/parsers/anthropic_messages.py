@@ -10,7 +10,12 @@ recent Claude Code) are kept where they stand. `thinking` and `output_config.eff
 tools (no `type`, or `custom`) are offered to the model; typed server tools (`web_search_20250305`,
 `bash_*`, `text_editor_*`, `computer_*`, `code_execution_*`, `memory_*`, `tool_search_tool_*`, ...) are
 accepted and ignored, and so are the server-tool blocks (`server_tool_use`, `*_tool_result`) an assistant
-turn replays: this server never ran them. Parameters are named `messages[0].content[1].text`.
+turn replays: this server never ran them. A `document` block (in a user turn or a `tool_result`) becomes
+the file's text under a `<file name="<title>">` header (ingest.parsers.file_inputs): a `base64` source
+(`application/pdf`, whose text pypdf extracts, or `text/plain`), a `text` source, or a `content` source (its
+text blocks; its images follow as image parts); `url` and `file` sources are refused (this server fetches
+nothing and keeps no Anthropic files); `context` and `citations` are accepted and not used.
+Parameters are named `messages[0].content[1].text`.
 Must not: do I/O, render templates, or decide whether the model accepts images (the app does).
 """
 
@@ -20,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from ingest.parsers import constraints
+from ingest.parsers import constraints, file_inputs
 from ingest.parsers import fields as f
 from models.reasoning import EFFORT_BUDGETS
 from shared.errors import invalid
@@ -39,6 +44,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         raise invalid("The request body must be a JSON object.", None, "invalid_body")
     model = f.string(f.require(body, "model"), "model", allow_empty=False)
     max_tokens = f.integer(f.require(body, "max_tokens"), "max_tokens", lo=1, hi=f.MAX_TOKENS_CAP)
+    file_inputs.check_total(body)
     raw_messages = f.array(f.require(body, "messages"), "messages", max_items=MAX_MESSAGES, allow_empty=False)
     messages = [*_system(body.get("system"))]
     for i, m in enumerate(raw_messages):
@@ -155,8 +161,10 @@ def _user_or_system(role: Role, blocks: list[dict[str, Any]], param: str) -> lis
             out.append(_tool_result(b, where))
         elif kind in ("text", "image"):
             run.append(_part(b, where, images=role is Role.USER))
+        elif kind == "document" and role is Role.USER:
+            run.extend(_document(b, where))
         else:
-            raise _bad_block(kind, where, "'text', 'image', 'tool_result'" if role is Role.USER else "'text'")
+            raise _bad_block(kind, where, "'text', 'image', 'document', 'tool_result'" if role is Role.USER else "'text'")
     if run or not out:
         out.append(Message(role=role, content=tuple(run)))
     return out
@@ -169,9 +177,56 @@ def _tool_result(b: dict[str, Any], where: str) -> Message:
         parts: tuple[ContentPart, ...] = (TextPart(text=content or ""),)
     else:
         items = f.array(content, f"{where}.content")
-        parts = tuple(_part(f.obj(p, f"{where}.content[{k}]"), f"{where}.content[{k}]", images=True) for k, p in enumerate(items))
+        parts = tuple(part for k, p in enumerate(items) for part in _result_part(f.obj(p, f"{where}.content[{k}]"), f"{where}.content[{k}]"))
     is_error = f.boolean(b["is_error"], f"{where}.is_error") if b.get("is_error") is not None else False
     return Message(role=Role.TOOL, content=parts, tool_call_id=tool_use_id, is_error=is_error)
+
+
+def _result_part(b: dict[str, Any], where: str) -> tuple[ContentPart, ...]:
+    return _document(b, where) if b.get("type") == "document" else (_part(b, where, images=True),)
+
+
+def _document(b: dict[str, Any], where: str) -> tuple[ContentPart, ...]:
+    """A `document` block: its file's text (ingest.parsers.file_inputs), named by its `title`; a `content`
+    source's images after it."""
+    at = f"{where}.source"
+    source = f.obj(f.require(b, "source", at), at)
+    name = f.string(b["title"], f"{where}.title") if b.get("title") is not None else ""
+    kind = source.get("type")
+    if kind == "base64":
+        media_type = f.string(f.require(source, "media_type", f"{at}.media_type"), f"{at}.media_type")
+        if media_type not in ("application/pdf", "text/plain"):
+            raise invalid(f"Invalid value: {media_type!r}. Supported document media types: 'application/pdf', 'text/plain'.", f"{at}.media_type", "invalid_value")
+        _, data = file_inputs.decode_data(f.string(f.require(source, "data", f"{at}.data"), f"{at}.data", allow_empty=False), f"{at}.data", where=where)
+        return (file_inputs.text_part(data, name=name or ("document.pdf" if media_type == "application/pdf" else "document.txt"), media_type=media_type, where=where),)
+    if kind == "text":
+        text = f.string(f.require(source, "data", f"{at}.data"), f"{at}.data")
+        return (file_inputs.text_part(text.encode(), name=name or "document.txt", media_type="text/plain", where=where),)
+    if kind == "content":
+        return _content_document(source.get("content"), name or "document.txt", at)
+    if kind in ("url", "file"):
+        raise invalid(
+            f"Invalid '{where}': document sources of type {kind!r} are not supported (this server fetches nothing and keeps no "
+            "Anthropic files); send the document as a 'base64' or 'text' source.",
+            f"{at}.type",
+            "invalid_value",
+        )
+    raise invalid(f"Invalid value: {kind!r}. Supported document source types: 'base64', 'text', 'content'.", f"{at}.type", "invalid_value")
+
+
+def _content_document(content: Any, name: str, at: str) -> tuple[ContentPart, ...]:
+    """A `content` source: a string, or text and image blocks (the text is the document, the images follow it)."""
+    if isinstance(content, str):
+        return (TextPart(text=file_inputs.render(name, content)),)
+    texts: list[str] = []
+    images: list[ContentPart] = []
+    for k, raw in enumerate(f.array(content, f"{at}.content")):
+        block = f.obj(raw, f"{at}.content[{k}]")
+        if block.get("type") == "text":
+            texts.append(_text(block, f"{at}.content[{k}]").text)
+        else:
+            images.append(_part(block, f"{at}.content[{k}]", images=True))
+    return (TextPart(text=file_inputs.render(name, "\n".join(texts))), *images)
 
 
 def _part(b: dict[str, Any], where: str, *, images: bool) -> ContentPart:

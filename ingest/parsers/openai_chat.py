@@ -1,13 +1,15 @@
 """OpenAI Chat Completions body → `Request` IR (pure; raises `ApiError` naming the bad parameter).
 
-Unknown fields are ignored, as OpenAI does. `user` is accepted and dropped.
+Unknown fields are ignored, as OpenAI does. `user` is accepted and dropped. A `file` content part (its
+`file.file_data`, or a `file.file_id` the API node resolved into `file_data` before parsing) becomes the
+file's text under a `<file name="...">` header (ingest.parsers.file_inputs).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ingest.parsers import constraints
+from ingest.parsers import constraints, file_inputs
 from ingest.parsers import fields as f
 from models.reasoning import EFFORT_BUDGETS
 from shared.errors import invalid
@@ -24,6 +26,7 @@ MAX_METADATA = 16
 def parse(body: Any, *, request_id: str, created: float) -> Request:
     body = f.obj(body, "body") if isinstance(body, dict) else _not_object(body)
     model = f.string(f.require(body, "model"), "model", allow_empty=False)
+    file_inputs.check_total(body)
     messages = tuple(_message(m, i) for i, m in enumerate(f.array(f.require(body, "messages"), "messages", max_items=MAX_MESSAGES, allow_empty=False)))
     stream = f.boolean(body["stream"], "stream") if body.get("stream") is not None else False
     include_usage = False
@@ -176,8 +179,11 @@ def _content(value: Any, param: str) -> tuple[ContentPart, ...]:
         elif kind == "image_url":
             image = f.obj(f.require(p, "image_url", f"{param}[{i}].image_url"), f"{param}[{i}].image_url")
             parts.append(ImagePart(url=f.string(f.require(image, "url", f"{param}[{i}].image_url.url"), f"{param}[{i}].image_url.url")))
+        elif kind == "file":
+            where = f"{param}[{i}]"
+            parts.append(file_inputs.openai_file(f.obj(f.require(p, "file", f"{where}.file"), f"{where}.file"), where, at=f"{where}.file"))
         else:
-            raise invalid(f"Invalid value: {kind!r}. Supported content part types: 'text', 'image_url'.", f"{param}[{i}].type")
+            raise invalid(f"Invalid value: {kind!r}. Supported content part types: 'text', 'image_url', 'file'.", f"{param}[{i}].type")
     return tuple(parts)
 
 

@@ -170,7 +170,7 @@ def test_thinking_and_effort_become_the_reasoning_budget() -> None:
         (body(messages=[{"content": "x"}]), "messages[0].role"),
         (body(messages=[{"role": "user"}]), "messages[0].content"),
         (body(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
-        (body(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]), "messages[0].content[0].type"),
+        (body(messages=[{"role": "user", "content": [{"type": "video", "source": {}}]}]), "messages[0].content[0].type"),
         (body(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages[0].content[0].text"),
         (
             body(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "n", "input": {}}]}]),
