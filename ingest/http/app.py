@@ -37,12 +37,15 @@ from bus.tails import Tails
 from encoders.wire import ClientLink, Event, Numbered, Presence, Slotted, StreamEncoder, collect, fan_in, sse_events, sse_response, tail
 from ingest.batches.batch_dispatch import BatchDispatcher
 from ingest.batches.batch_routes import BatchLines, BatchRoutes
-from ingest.http import responses_store, resume, storage
+from ingest.http import file_refs, responses_store, resume, storage
 from ingest.http.auth import CALLER, Authenticator, caller_of
 from ingest.http.limits import Charged, RateLimiter, check_stored_size, parse_json, read_body
 from ingest.http.metrics import CONTENT_TYPE, Metrics
 from ingest.http.publish import LIFETIME_MARGIN_S, Admission, Origin, admit_and_submit, cancel
 from ingest.http.readiness import readiness
+from ingest.http.responses_compact import CompactionRoutes, open_compactions
+from ingest.http.responses_store import Saver
+from ingest.http.responses_ws import responses_socket
 from ingest.http.resume_routes import Followers, ResponseRoutes, recording, resume_choices, resume_stream
 from ingest.http.surfaces import Surface, load_protocol_modules, surfaces
 from ingest.http.tokenizing import Tokenizing
@@ -51,12 +54,14 @@ from ingest.parsers.cache_salt import cache_salt
 from ingest.parsers.context import ContextPolicy, fit_max_tokens
 from ingest.parsers.errors import error_body, failure, status_for
 from ingest.parsers.models import ModelNames
+from models.generation import sampling_defaults
 from models.prompt import PromptRenderer
 from shared import keys
 from shared.codec import DELTA_FIELD
 from shared.deltas import Batch, StreamDelta
 from shared.errors import ApiError, invalid
-from shared.ir import ImagePart, Protocol, Request
+from shared.ir import FALLBACK, ImagePart, Protocol, Request, apply_defaults
+from shared.protocols import spec
 from shared.redact import redact
 from shared.seal import Sealer, load_sealer, open_reasoning
 from shared.settings import Settings
@@ -82,6 +87,18 @@ class Prepared:
     request: Request
     parts: list[Request]
     encoded: list[bytes]
+    relaxed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """A body queued (Api.submit): its first request, every part, the protocol session's saver (or None),
+    what the rate limits took, and what the output constraint left out of its schemas."""
+
+    request: Request
+    parts: list[Request]
+    store: Saver | None
+    charged: Charged
     relaxed: tuple[str, ...] = ()
 
 
@@ -115,6 +132,9 @@ class Api:
             output_cap=settings.max_output_tokens,
             default_max_tokens=settings.default_max_tokens,
         )
+        # What a model worker samples with where a request sets nothing (shared.ir `resolve`): the fields a
+        # protocol reports as used are filled in with it before queueing (`prepare`).
+        self.sampling_defaults = {**FALLBACK, **sampling_defaults(settings, renderer.info.sampling_defaults)}
 
     json = staticmethod(json_response)
 
@@ -123,6 +143,13 @@ class Api:
     async def read_raw(self, http: HttpRequest) -> bytes:
         """The body, within the size (413) and time (408) limits."""
         return await read_body(http, self.settings.max_body_bytes, timeout_s=self.settings.body_timeout)
+
+    async def parse_body(self, parse: Callable[..., Request], body: Any, *, size: int, caller: str) -> Request:
+        """`parse(body)` once its `file_id` parts carry `caller`'s files (ingest.http.file_refs); a body with
+        file parts is parsed on a tokenizing lane (PDF text extraction is CPU work), any other one here."""
+        resolved = await file_refs.resolve(self.redis, body, owner=caller)
+        work = partial(parse, resolved.body, request_id=new_id(), created=time.time())
+        return await self.tokenizing.run(size + resolved.added, work) if resolved.files else work()
 
     async def read_json(self, http: HttpRequest) -> Any:
         """The parsed body, within the size (413), time (408) and nesting (400) limits, checked before any parser runs."""
@@ -138,12 +165,13 @@ class Api:
             check_expressible(request, flavor=self.settings.upstream_flavor)
         else:
             self.renderer.check_constraint(request, tool_parser=self.settings.tool_parser)
-        request = open_reasoning(request, self.sealer)
+        request = open_reasoning(open_compactions(request, self.sealer), self.sealer)  # sealed items the client sent back
         prompt = self.renderer.render(request)
         max_tokens = fit_max_tokens(request.protocol, len(prompt), request.sampling.max_tokens, self.context)
+        reported = {name: self.sampling_defaults[name] for name in spec(request.protocol).reports_sampling}
         return replace(
             request,
-            sampling=replace(request.sampling, max_tokens=max_tokens),
+            sampling=replace(apply_defaults(request.sampling, reported), max_tokens=max_tokens),
             prompt_token_ids=tuple(prompt),
             raw_body=orjson.dumps(redact(body)).decode(),
         )
@@ -321,7 +349,8 @@ class Api:
         """Anthropic's token count. Charged one request against the caller's rate limit (the same buckets
         as generations) before any tokenizing; counting generates nothing, so no tokens are charged."""
         raw = await self.read_raw(http)
-        request = anthropic_messages.parse_count_tokens(parse_json(raw, self.settings.max_json_depth), request_id=new_id(), created=time.time())
+        body = parse_json(raw, self.settings.max_json_depth)
+        request = await self.parse_body(anthropic_messages.parse_count_tokens, body, size=len(raw), caller=caller_of(http))
         self.names.check(request.model)
         await self.limiter.charge(caller_of(http), tokens=0)
         return json_response({"input_tokens": await self.tokenizing.count(len(raw), request)})
@@ -337,22 +366,28 @@ class Api:
             return await resume_stream(self, http, surface, request_id, resume.event_position(last_event_id, "Last-Event-ID"))
         raw = await self.read_raw(http)
         body = parse_json(raw, self.settings.max_json_depth)
+        queued = await self.submit(http, surface, body, size=len(raw))
+        response = await self._answer(http, surface, body, queued.request, queued.parts, queued.store)
+        for name, value in (self.relaxation_headers(queued.request, queued.relaxed) | self.limiter.headers(queued.charged)).items():
+            response.add_header(name.encode(), value.encode())
+        return response
+
+    async def submit(self, http: HttpRequest, surface: Surface, body: Any, *, size: int) -> Queued:
+        """Parse → session (the protocol's own state) → prepare → charge → publish: a parsed body queued, or an
+        `ApiError` before anything is. `http` is the authenticated request (an HTTP one, or the WebSocket of
+        ingest.http.responses_ws), `size` the body's bytes (ingest.http.tokenizing)."""
         caller = caller_of(http)
-        parsed = surface.parse(body, request_id=new_id(), created=time.time())
+        parsed = await self.parse_body(surface.parse, body, size=size, caller=caller)
         parsed = replace(parsed, cache_salt=cache_salt(body, caller, self.settings.cache_salt))
         request, store = await surface.session(self.redis, self.settings, body, parsed, caller)
-        prepared = await self.tokenizing.run(len(raw), partial(self.prepare_parts, surface, body, request))
-        request, parts = prepared.request, prepared.parts
-        charged = await self.charge(http, parts)
+        prepared = await self.tokenizing.run(size, partial(self.prepare_parts, surface, body, request))
+        charged = await self.charge(http, prepared.parts)
         try:
-            await self.publish(parts, prepared.encoded, owner=caller, client=client_of(http))
+            await self.publish(prepared.parts, prepared.encoded, owner=caller, client=client_of(http))
         except ApiError:  # refused (the queue is full): it costs the key nothing
             await self.limiter.refund(caller, charged)
             raise
-        response = await self._answer(http, surface, body, request, parts, store)
-        for name, value in (self.relaxation_headers(request, prepared.relaxed) | self.limiter.headers(charged)).items():
-            response.add_header(name.encode(), value.encode())
-        return response
+        return Queued(prepared.request, prepared.parts, store, charged, prepared.relaxed)
 
     async def _answer(self, http: HttpRequest, surface: Surface, body: Any, request: Request, parts: list[Request], store: Any) -> Response:
         """The answer to a queued request: a background stub, a stream (of one or several choices), or one JSON body."""
@@ -531,9 +566,14 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
         app.router.add_post(surface.path, guarded(api, surface.protocol, _bind(api.generate, surface)))
     app.router.add_post("/v1/messages/count_tokens", guarded(api, Protocol.ANTHROPIC_MESSAGES, api.count_tokens))
     stored = ResponseRoutes(api)
+    app.router.add_ws("/v1/responses", responses_socket(api))  # the Responses WebSocket mode (ingest.http.responses_ws)
     app.router.add_get("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, metered(api, stored.get_response)))
     app.router.add_delete("/v1/responses/:response_id", guarded(api, Protocol.OPENAI_RESPONSES, metered(api, stored.delete_response)))
     app.router.add_post("/v1/responses/:response_id/cancel", guarded(api, Protocol.OPENAI_RESPONSES, metered(api, stored.cancel_response)))
+    compaction = CompactionRoutes(api)  # ingest.http.responses_compact
+    app.router.add_post("/v1/responses/compact", guarded(api, Protocol.OPENAI_RESPONSES, compaction.compact))
+    app.router.add_post("/v1/responses/input_tokens", guarded(api, Protocol.OPENAI_RESPONSES, compaction.input_tokens))
+    app.router.add_get("/v1/responses/:response_id/input_items", guarded(api, Protocol.OPENAI_RESPONSES, metered(api, compaction.input_items)))
 
     lines = BatchLines(api, {s.protocol: s for s in surfaces()})
     _add_batch_routes(app, api, lines)

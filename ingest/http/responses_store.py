@@ -9,6 +9,8 @@ Background responses (`background: true`) are saved by a follower task of the no
 and can be cancelled while they run. Every response belongs to the API key that created it (the document's
 `owner`, else the recorded request's): for any other key GET, DELETE, cancel, a stream replay and a
 `previous_response_id` naming it all answer 404, as OpenAI does (ingest.http.auth.owns).
+The document also keeps the request's `input` as items with ids (`input_items`), which
+GET /v1/responses/{id}/input_items lists (ingest.http.responses_compact).
 """
 
 from __future__ import annotations
@@ -60,10 +62,20 @@ def assistant_turn(deltas: list[StreamDelta], custom: frozenset[str] = frozenset
     )
 
 
-async def save(redis: Redis, response_id: str, *, body: dict[str, Any], conversation: list[Message], owner: str, quota: storage.Quota) -> None:
+async def save(  # noqa: PLR0913 (keyword-only: the parts of one stored document)
+    redis: Redis,
+    response_id: str,
+    *,
+    body: dict[str, Any],
+    conversation: list[Message],
+    owner: str,
+    quota: storage.Quota,
+    input_items: list[dict[str, Any]] | None = None,
+) -> None:
     """Store the response for `quota.response_s`, entered in `owner`'s storage ledger when the quota caps
     it (ingest.http.storage: the key's next request makes room if this took it past its cap)."""
-    doc = orjson.dumps({"v": VERSION, "body": body, "conversation": [message_to_dict(m) for m in conversation], "owner": owner})
+    conversation_docs = [message_to_dict(m) for m in conversation]
+    doc = orjson.dumps({"v": VERSION, "body": body, "conversation": conversation_docs, "owner": owner, "input": input_items or []})
     ttl = int(quota.response_s)
     await redis.set(keys.stored_response(response_id), doc, ex=ttl)
     if quota.cap:
@@ -73,13 +85,8 @@ async def save(redis: Redis, response_id: str, *, body: dict[str, Any], conversa
 async def load(redis: Redis, response_id: str, *, caller: str, param: str | None = None) -> tuple[dict[str, Any], list[Message]]:
     """The response body and its conversation: the stored document, else rebuilt from the delta stream
     (a `previous_response_id` must name a finished one)."""
-    raw = await redis.get(keys.stored_response(response_id))
-    if raw == DELETED:
-        raise _not_found(response_id, param)
-    if raw is not None:
-        doc = orjson.loads(raw)
-        if not owns(caller, doc.get("owner")):
-            raise _not_found(response_id, param)
+    doc = await _document(redis, response_id, caller=caller, param=param)
+    if doc is not None:
         return doc["body"], [message_from_dict(m) for m in doc["conversation"]]
     recorded = await live(redis, response_id, caller=caller)
     if recorded is None:
@@ -88,6 +95,58 @@ async def load(redis: Redis, response_id: str, *, caller: str, param: str | None
     if param is not None and not (deltas and is_terminal(deltas[-1])):
         raise ApiError(f"Response '{response_id}' is still in progress.", status=400, param=param, kind="invalid_request_error", code="response_in_progress")
     return body_of(request, deltas), _conversation(request, deltas)
+
+
+async def _document(redis: Redis, response_id: str, *, caller: str, param: str | None) -> dict[str, Any] | None:
+    """The stored document, None when there is none yet (rebuild it from the deltas); 404 when deleted or
+    not `caller`'s."""
+    raw = await redis.get(keys.stored_response(response_id))
+    if raw == DELETED:
+        raise _not_found(response_id, param)
+    if raw is None:
+        return None
+    doc: dict[str, Any] = orjson.loads(raw)
+    if not owns(caller, doc.get("owner")):
+        raise _not_found(response_id, param)
+    return doc
+
+
+async def input_of(redis: Redis, response_id: str, *, caller: str) -> list[dict[str, Any]]:
+    """The response's `input` items with their ids (`input_items`): stored with it, or read from its
+    recorded request while it has no document; 404 as `load`."""
+    doc = await _document(redis, response_id, caller=caller, param=None)
+    if doc is not None:
+        items: list[dict[str, Any]] = doc.get("input", [])
+        return items
+    recorded = await live(redis, response_id, caller=caller)
+    if recorded is None:
+        raise _not_found(response_id, None)
+    body = orjson.loads(recorded[0].raw_body) if recorded[0].raw_body else {}
+    return input_items(body, response_id)
+
+
+ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs", "compaction": "cmp"}
+
+
+def input_items(body: Any, response_id: str) -> list[dict[str, Any]]:
+    """A create body's `input` as items, as OpenAI lists them: a string is one user message; a message in
+    the short form (`{"role", "content": "text"}`) gets `type`, `status` and a content part; an item without
+    an `id` gets one made from `response_id` and its place (the same every time, so `after` pages)."""
+    value = body.get("input") if isinstance(body, dict) else None
+    raw = [{"role": "user", "content": value}] if isinstance(value, str) else value if isinstance(value, list) else []
+    items = []
+    for i, item in enumerate(x for x in raw if isinstance(x, dict)):
+        kind = item.get("type", "message")
+        out = {**item, "type": kind}
+        if kind == "message":
+            text_kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            content = item.get("content")
+            out["content"] = [{"type": text_kind, "text": content}] if isinstance(content, str) else content
+            out.setdefault("status", "completed")
+        if not out.get("id"):
+            out["id"] = f"{ITEM_PREFIXES.get(kind, 'item')}_{response_id.removeprefix('resp_')}{i:04d}"
+        items.append(out)
+    return items
 
 
 async def live(redis: Redis, response_id: str, *, caller: str) -> tuple[Request, list[StreamDelta]] | None:
@@ -177,7 +236,8 @@ async def begin(redis: Redis, settings: Settings, body: Any, parsed: Request, ca
             conversation = [m for m in final.messages if m is not instructions] + [assistant_turn(deltas, custom_tools(final))]
             try:
                 quota = storage.Quota.from_settings(settings, margin_s=LIFETIME_MARGIN_S)
-                await save(redis, response_id(final), body=acc.body(), conversation=conversation, owner=caller, quota=quota)
+                rid = response_id(final)
+                await save(redis, rid, body=acc.body(), conversation=conversation, owner=caller, quota=quota, input_items=input_items(body, rid))
             except RedisError as exc:  # the client still gets its terminal event; GET rebuilds it from the deltas
                 log.error("could not store response %s: %s", response_id(final), type(exc).__name__)
 

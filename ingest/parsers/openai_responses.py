@@ -3,14 +3,19 @@
 Owns: the mapping of Responses fields onto the IR. `instructions` becomes a leading system message;
 `input` items become messages, with each run of assistant-side items (`reasoning`, assistant `message`,
 `function_call`, `custom_tool_call`) merged into one assistant turn, as chat templates expect;
-`function_call_output` / `custom_tool_call_output` become TOOL messages. Tools: `function` and
+`function_call_output` / `custom_tool_call_output` become TOOL messages. An `input_file` part (inline
+`file_data`, a data-URL `file_url`, or a `file_id` the API node resolved into `file_data` before parsing)
+becomes the file's text under a `<file name="...">` header (ingest.parsers.file_inputs). Tools: `function` and
 `custom` (free-form input, optionally a Lark / regex `format` grammar) are callable, and a
 `namespace` tool's functions are offered under one flattened name (`namespaced_name`) and keep their
-namespace in the IR so the encoder hands calls back as the client named them. Items of the hosted tools
-(`web_search_call`, `local_shell_call`, `compaction`, ...) are accepted and dropped; every other tool
+namespace in the IR so the encoder hands calls back as the client named them. A `compaction` item (what
+POST /v1/responses/compact returned) becomes a USER message holding its sealed summary as a
+`sealed_reasoning` pair marked `COMPACTION` (`compaction()`), opened by the API node
+(ingest.http.responses_compact.open_compactions). Items of the hosted tools
+(`web_search_call`, `local_shell_call`, ...) are accepted and dropped; every other tool
 type is accepted and ignored. `store` and `previous_response_id` are not IR: read them with `store_flag()`
 and `previous_response_id()` (the app resolves the previous response). Unknown fields are ignored.
-Must not: do I/O, look up stored responses, or render templates.
+Must not: do I/O, look up stored responses or files, or render templates.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import hashlib
 from dataclasses import replace
 from typing import Any
 
-from ingest.parsers import constraints
+from ingest.parsers import constraints, file_inputs
 from ingest.parsers import fields as f
 from ingest.parsers.openai_chat import metadata as metadata_pairs
 from ingest.parsers.openai_chat import reasoning_effort, sampling
@@ -53,7 +58,7 @@ HOSTED_ITEMS = frozenset({
     "web_search_call", "file_search_call", "code_interpreter_call", "image_generation_call", "computer_call", "computer_call_output",
     "local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output",
     "mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "tool_search_call", "tool_search_output",
-    "item_reference", "compaction", "compaction_summary",
+    "item_reference", "compaction_summary",
 })
 
 
@@ -62,6 +67,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         raise invalid("The request body must be a JSON object.", None, "invalid_body")
     model = f.string(f.require(body, "model"), "model", allow_empty=False)
     previous = previous_response_id(body)
+    file_inputs.check_total(body)
     messages: list[Message] = []
     if body.get("instructions") is not None:
         messages.append(Message(role=Role.SYSTEM, content=(TextPart(text=f.string(body["instructions"], "instructions")),)))
@@ -94,6 +100,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
         parallel_tool_calls=f.boolean(body["parallel_tool_calls"], "parallel_tool_calls")
         if body.get("parallel_tool_calls") is not None
         else True,
+        max_tool_calls=f.integer(body["max_tool_calls"], "max_tool_calls", lo=1, hi=MAX_ITEMS) if body.get("max_tool_calls") is not None else None,
         constraint=constraints.one_of(body, constraints.responses_text_format(body.get("text"))),
         thinking=_thinking(body.get("reasoning"), body.get("include")),
         return_token_ids=f.boolean(body["return_token_ids"], "return_token_ids") if body.get("return_token_ids") is not None else False,
@@ -122,6 +129,20 @@ def previous_response_id(body: dict[str, Any]) -> str | None:
     return f.string(value, "previous_response_id", allow_empty=False) if value is not None else None
 
 
+COMPACTION = "compaction"  # the mark of a compaction summary's sealed pair (`compaction()`)
+
+
+def compaction(sealed: str) -> Message:
+    """A `compaction` item: a USER message with no text yet, its summary sealed (shared.seal), marked
+    `COMPACTION` in its one `sealed_reasoning` pair; the API node opens it into the summary's text or
+    drops it (ingest.http.responses_compact.open_compactions)."""
+    return Message(role=Role.USER, sealed_reasoning=((COMPACTION, sealed),))
+
+
+def is_compaction(message: Message) -> bool:
+    return message.role is Role.USER and any(mark == COMPACTION for mark, _ in message.sealed_reasoning)
+
+
 def _input(value: Any) -> list[Message]:
     if isinstance(value, str):
         return [Message(role=Role.USER, content=(TextPart(text=value),))]
@@ -139,11 +160,14 @@ def _input(value: Any) -> list[Message]:
             turn.sealed.append(("", item["encrypted_content"]))  # the sealed text wins over the shown summary
         elif kind == "reasoning":
             turn.reasoning.append(_reasoning(item, param))
+        elif kind == "compaction":
+            out.extend(turn.flush())
+            out.append(compaction(f.string(f.require(item, "encrypted_content", f"{param}.encrypted_content"), f"{param}.encrypted_content")))
         elif kind in ("message", "function_call_output", "custom_tool_call_output"):
             out.extend(turn.flush())
             out.append(_message(item, param) if kind == "message" else _function_call_output(item, param))
         elif kind not in HOSTED_ITEMS:
-            supported = "'message', 'function_call', 'function_call_output', 'custom_tool_call', 'custom_tool_call_output', 'reasoning'"
+            supported = "'message', 'function_call', 'function_call_output', 'custom_tool_call', 'custom_tool_call_output', 'reasoning', 'compaction'"
             raise invalid(f"Invalid value: {kind!r}. Supported input item types: {supported}.", f"{param}.type", "invalid_value")
     out.extend(turn.flush())
     return out
@@ -203,8 +227,10 @@ def _content(value: Any, param: str) -> tuple[ContentPart, ...]:
                     "Only images given by 'image_url' are supported (no file ids).", f"{where}.image_url", "missing_required_parameter"
                 )
             parts.append(ImagePart(url=f.string(url, f"{where}.image_url", allow_empty=False)))
+        elif kind == "input_file":
+            parts.append(file_inputs.openai_file(part, where, at=where))
         else:
-            supported = "'input_text', 'output_text', 'refusal', 'input_image'"
+            supported = "'input_text', 'output_text', 'refusal', 'input_image', 'input_file'"
             raise invalid(f"Invalid value: {kind!r}. Supported content types: {supported}.", f"{where}.type", "invalid_value")
     return tuple(parts)
 

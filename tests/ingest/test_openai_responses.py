@@ -184,7 +184,7 @@ def test_store_and_previous_response_id_are_read_by_helpers_not_the_ir() -> None
         (body(input=[{"role": "tool", "content": "x"}]), "input[0].role"),
         (body(input=[{"type": "message", "content": "x"}]), "input[0].role"),
         (body(input=[{"role": "user"}]), "input[0].content"),
-        (body(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]), "input[0].content[0].type"),
+        (body(input=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]), "input[0].content[0].type"),
         (body(input=[{"role": "user", "content": [{"type": "input_text"}]}]), "input[0].content[0].text"),
         (body(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]), "input[0].content[0].image_url"),
         (body(input=[{"type": "frobnicate", "id": "msg_1"}]), "input[0].type"),
@@ -280,7 +280,7 @@ def test_custom_tool_calls_are_rendered_as_calls_with_their_input_and_hosted_too
         {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** Begin Patch"},
         {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done"},
         {"type": "local_shell_call", "call_id": "c2", "id": "ls_1", "status": "completed", "action": {"type": "exec", "command": ["ls"]}},
-        {"type": "compaction", "encrypted_content": "opaque"},
+        {"type": "compaction_summary", "encrypted_content": "opaque"},  # a `compaction` item is kept, sealed (tests/ingest/test_responses_compact.py)
     ]
     assert parsed(body(input=items)).messages == (
         user("Patch it."),
