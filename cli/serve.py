@@ -135,6 +135,7 @@ async def run_api(settings: Settings, before_exit: Callable[[], None] | None = N
         timeout_graceful_shutdown=5,
         http=with_header_timeout(settings.header_timeout),  # a deadline for request headers (cli/http_protocol.py)
         limit_concurrency=settings.max_connections or None,  # past it uvicorn answers 503 (open connections counted)
+        ws_max_size=settings.max_body_bytes,  # a Responses WebSocket message may be as large as a POST body (ingest.http.responses_ws)
     )
     dumps = None
     if settings.dump_dir:  # --dump-dir: a background task follows met:finished (ingest/dumps/dump_writer.py)

@@ -33,7 +33,7 @@ from ingest.batches import batch_jobs, files
 from ingest.http import storage
 from ingest.http.publish import LIFETIME_MARGIN_S, cancel, is_queued, submit_batch_line
 from shared import keys
-from shared.codec import delta_of, deltas_of
+from shared.codec import decode_request, delta_of, deltas_of
 from shared.deltas import Finish, StreamDelta, is_terminal
 from shared.errors import ApiError
 from shared.ir import Request
@@ -207,23 +207,34 @@ class BatchDispatcher:
             cid = job.inflight[rid]  # out of `inflight` only once its result is recorded (below)
             line = job.lines[cid]
             request = job.requests.get(rid)
-            if request is None:  # queued by an earlier dispatcher: the same parse
-                try:
-                    request = await self.runner.prepare(doc, line, rid, size=job.sizes.get(cid, 0))
-                except ApiError as err:
-                    if err.kind == "overloaded":
-                        continue  # the tokenizer is busy: collected on a later step
-                    raise
+            if request is None:  # queued by an earlier dispatcher: the request it recorded (the line's files may be gone by now)
+                raw = await self.redis.get(keys.request_ir(rid))
+                if raw is not None:
+                    request = decode_request(raw)
+                else:  # expired with the line still open: the same parse
+                    try:
+                        request = await self.runner.prepare(doc, line, rid, size=job.sizes.get(cid, 0))
+                    except ApiError as err:
+                        if err.kind == "overloaded":
+                            continue  # the tokenizer is busy: collected on a later step
+                        await batch_jobs.record_result(self.redis, doc["id"], cid, outcome="errored", result=self.runner.refused(doc, line, rid, err))
+                        self._forget(job, rid, cid)
+                        continue
             outcome, result = self.runner.result(doc, line, request, deltas)
             if outcome == "canceled" and stopping == "expired":
                 outcome, result = "expired", self.runner.unrun(doc, line, rid, "expired")
             finish = next((d for d in deltas if isinstance(d, Finish)), None)
             tokens = (finish.usage.prompt_tokens, finish.usage.completion_tokens) if finish is not None else (len(request.prompt_token_ids), 0)
             await batch_jobs.record_result(self.redis, doc["id"], cid, outcome=outcome, result=result, tokens=tokens)
-            del job.inflight[rid]
-            job.requests.pop(rid, None)
-            job.lines.pop(cid, None)
-            job.sizes.pop(cid, None)
+            self._forget(job, rid, cid)
+
+    @staticmethod
+    def _forget(job: _Job, rid: str, cid: str) -> None:
+        """A line whose result is recorded: nothing of it stays in memory."""
+        del job.inflight[rid]
+        job.requests.pop(rid, None)
+        job.lines.pop(cid, None)
+        job.sizes.pop(cid, None)
 
     async def _queue_more(self, doc: dict[str, Any], job: _Job) -> None:
         """Queue lines while the batch, its key and the batch pool have room (`--batch-max-inflight`,

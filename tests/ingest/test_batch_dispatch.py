@@ -23,6 +23,9 @@ from ingest.batches.batch_dispatch import BatchDispatcher
 from ingest.batches.batch_routes import BatchLines
 from ingest.http.tokenizing import LARGE_BODY_BYTES, Tokenizing
 from shared import keys
+from shared.codec import DELTA_FIELD, encode_delta
+from shared.deltas import Finish, FinishReason, StreamDelta, Usage
+from shared.errors import ApiError
 from shared.ir import Request
 from shared.settings import Settings
 from tests.workers.fakes import make_request
@@ -168,6 +171,44 @@ def test_a_node_holds_only_the_lines_in_flight_and_a_read_ahead_never_the_whole_
         await dispatcher._stop(doc, job, "canceled")
         assert not job.todo and not job.ahead
         assert await redis.hlen(keys.batch_results(doc["id"])) == 1000 + 3000 - 1016
+        await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+class GoneFileLines(RecordingLines):
+    """Lines whose parse now fails (the file a line names was deleted after it was queued); results record
+    the request they were built from."""
+
+    def request(self, doc: dict[str, Any], line: dict[str, Any], request_id: str) -> Request:
+        raise ApiError("No such file: 'file-x'.", status=404, param="input[0].content[0].file_id", kind="not_found")
+
+    def result(self, doc: dict[str, Any], line: dict[str, Any], request: Request, deltas: list[StreamDelta]) -> tuple[str, dict[str, Any]]:
+        return "succeeded", {"custom_id": line["custom_id"], "priority": request.priority}
+
+
+def test_a_line_queued_by_an_earlier_leader_is_collected_from_its_recorded_request_not_parsed_again(redis_server: str) -> None:
+    """Node B queued line "a", then died; node A takes over after the line's file was deleted. Before, A
+    parsed the line again to build its result, the parse failed, and every step of the batch failed."""
+
+    async def scenario() -> None:
+        redis = Redis.from_url(redis_server)
+        doc = {"id": f"batch_taken{time.monotonic_ns()}", "owner": "k"}
+        await redis.set(keys.batch_lease(doc["id"]), "node-b")
+        node_b = BatchDispatcher(redis, Settings(), runner=RecordingLines(Settings()), node_id="node-b")
+        b_job = await job_of(redis, doc["id"], "a", size=100, todo=[0])
+        await node_b._queue_more(doc, b_job)
+        [rid] = list(b_job.inflight)
+        await redis.xadd(keys.delta_stream(rid), {DELTA_FIELD: encode_delta(Finish(reason=FinishReason.STOP, usage=Usage()))})
+        await redis.set(keys.batch_lease(doc["id"]), "node-a")
+        node_a = BatchDispatcher(redis, Settings(), runner=GoneFileLines(Settings()), node_id="node-a")
+        a_job = await job_of(redis, doc["id"], "a", size=100, todo=[])
+        a_job.inflight[rid] = "a"
+        a_job.lines["a"] = {"custom_id": "a"}
+        await node_a._collect(doc, a_job, None)
+        assert not a_job.inflight and not a_job.lines  # recorded, forgotten
+        recorded = orjson.loads(await redis.hget(keys.batch_results(doc["id"]), "a") or b"null")
+        assert recorded == {"outcome": "succeeded", "result": {"custom_id": "a", "priority": 10}}  # from the request B recorded
         await redis.aclose()
 
     asyncio.run(scenario())
