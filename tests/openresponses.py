@@ -105,6 +105,15 @@ def check_event(path: str, event: Any) -> None:
         check("ResponseResource", event["response"], where)
 
 
+def check_ws_event(event: Any) -> None:
+    """A server event of the Responses WebSocket mode: an `error` is the WebSocket error envelope, any other
+    event what the SSE stream would carry."""
+    if isinstance(event, dict) and event.get("type") == "error":
+        check("WebSocketErrorEvent", event, "/v1/responses WebSocket event 'error'")
+    elif isinstance(event, dict) and not event.get("type", "").startswith("response.steer"):  # steering: not in the specification
+        check_event("/v1/responses WebSocket", {k: v for k, v in event.items() if k != "stream_id"})
+
+
 class _Events:
     """SSE bytes → each event's JSON `data`, fed as they arrive."""
 

@@ -18,6 +18,7 @@ from openai.resources.responses.responses import ResponsesConnection
 from shared import keys
 from shared.codec import decode_delta
 from shared.deltas import Finish, FinishReason
+from tests import openresponses
 
 from ..conftest import LiveServer
 
@@ -47,6 +48,8 @@ def until_terminal(connection: ResponsesConnection) -> list[Any]:
     events = [connection.recv()]
     while events[-1].type not in TERMINAL:
         events.append(connection.recv())
+    for event in events:  # each against the Open Responses specification (tests/openresponses.py), as sent
+        openresponses.check_ws_event(event.model_dump(mode="json", exclude_unset=True))
     return events
 
 
