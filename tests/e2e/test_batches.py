@@ -22,6 +22,8 @@ import httpx
 import openai
 import pytest
 
+from tests import openresponses
+
 from ..conftest import ROOT, LiveServer, start_server, stop_server, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -120,6 +122,33 @@ def test_a_legacy_completions_batch_gives_each_line_the_body_the_route_gives_it_
         assert got["object"] == "text_completion" and got["choices"][0]["text"] == alone.choices[0].text, i
         assert got["choices"][0]["logprobs"]["tokens"] == alone.choices[0].logprobs.tokens  # type: ignore[union-attr]
         assert alone.usage is not None and (got["usage"]["prompt_tokens"], got["usage"]["completion_tokens"]) == (alone.usage.prompt_tokens, alone.usage.completion_tokens)
+
+
+def test_a_responses_batch_gives_each_line_a_whole_response_object_equal_to_the_route_alone(oai: openai.OpenAI) -> None:
+    """Batch output lines carry Response objects as complete as the route's (every field of the Open
+    Responses `ResponseResource`, checked against the vendored schema), with the same output."""
+    url = "/v1/responses"
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"], "additionalProperties": False}
+    weather: Any = {"type": "function", "name": "get_weather", "description": "Current weather in a city.", "parameters": city}
+    bodies: list[dict[str, Any]] = [
+        {"model": "m", "input": "Name a color.", "max_output_tokens": 8, "temperature": 0, "prompt_cache_key": "k1", "safety_identifier": "u1"},
+        {"model": "m", "input": "Write an essay about rivers.", "max_output_tokens": 3, "temperature": 0},  # incomplete
+        {"model": "m", "input": "Weather in Paris, Rome and Oslo?", "tools": [weather], "tool_choice": "required", "max_tool_calls": 1, "max_output_tokens": 300, "temperature": 0},
+    ]
+    done = finished(oai, submit(oai, [line(f"r{i}", b, url) for i, b in enumerate(bodies)], endpoint=url).id)
+    assert done.status == "completed" and done.request_counts.completed == len(bodies)
+    by_id = {r["custom_id"]: r["response"]["body"] for r in file_lines(oai, done.output_file_id)}
+    for i, body in enumerate(bodies):
+        got = by_id[f"r{i}"]
+        openresponses.check("ResponseResource", got, f"batch line r{i}")
+        alone = oai.responses.create(**body, store=False)
+        assert [o["type"] for o in got["output"]] == [o.type for o in alone.output], i
+        assert (got["status"], got["max_tool_calls"], got["temperature"]) == (alone.status, alone.max_tool_calls, alone.temperature), i
+        assert "".join(c["text"] for o in got["output"] if o["type"] == "message" for c in o["content"]) == alone.output_text, i
+    assert by_id["r0"]["prompt_cache_key"] == "k1" and by_id["r0"]["safety_identifier"] == "u1"
+    assert by_id["r1"]["status"] == "incomplete" and by_id["r1"]["completed_at"] is None
+    assert by_id["r2"]["status"] == "completed" and by_id["r2"]["completed_at"] >= by_id["r2"]["created_at"]
+    assert [o["type"] for o in by_id["r2"]["output"]] == ["function_call"]
 
 
 def test_a_50_request_anthropic_message_batch_ends_with_results_equal_to_the_requests_sent_alone(claude: anthropic.Anthropic) -> None:
