@@ -65,6 +65,7 @@ def test_text_json_and_pdf_input_files_reach_the_prompt_streamed_and_not(api: op
             events = list(stream)
         final = events[-1].response  # type: ignore[union-attr]  # the SDK's get_final_response() waits for response.completed only
         assert final.usage is not None and final.usage.input_tokens == created.usage.input_tokens > baseline
+        assert api.responses.input_tokens.count(model="m", input=asking(part)).input_tokens == created.usage.input_tokens
 
 
 def test_a_file_uploaded_with_purpose_user_data_is_read_by_file_id(api: openai.OpenAI) -> None:

@@ -36,7 +36,7 @@ def examples() -> list[tuple[str, str]]:
     """The fenced blocks a user runs against the server: every python block, and the curl block."""
     blocks = FENCE.findall((ROOT / "README.md").read_text())
     runnable = [(lang, code) for lang, code in blocks if lang == "python" or (lang == "bash" and code.startswith(f"curl -s {README_ADDRESS}"))]
-    assert [lang for lang, _ in runnable] == ["bash", "python", "python", "python"], blocks
+    assert [lang for lang, _ in runnable] == ["bash", "python", "python", "python", "python"], blocks
     return runnable
 
 
@@ -45,7 +45,7 @@ def recorded_ids(server: LiveServer) -> set[str]:
     return {m.decode() for m in members}
 
 
-@pytest.mark.parametrize(("lang", "code"), examples(), ids=["curl", "openai", "anthropic", "completions"])
+@pytest.mark.parametrize(("lang", "code"), examples(), ids=["curl", "openai", "anthropic", "websocket", "completions"])
 def test_a_readme_example_runs_as_written_within_its_max_tokens(live_server: LiveServer, lang: str, code: str) -> None:
     before = recorded_ids(live_server)
     code = code.replace(README_ADDRESS, live_server.base_url)
