@@ -158,6 +158,7 @@ class _ResponseState:
         self.finish: Finish | None = None
         self.error: Error | None = None
         self._echo = _echo(request)
+        self._reported = dict(request.reported_sampling)  # what the API node expects a worker to run where the request set nothing
         self._open: int | None = None  # output index of the open item
         self._custom = custom_tools(request)
         self._sequencer = BlockSequencer(raw=self._custom)  # one item open at a time, interleaved tool calls in order
@@ -203,7 +204,7 @@ class _ResponseState:
                 if op.kind == "open":
                     fields: dict[str, Any] = {"role": "assistant", "content": []}
                     if op.group == "reasoning":
-                        fields = {"summary": [], "content": [], "encrypted_content": None}
+                        fields = {"summary": [], "content": []}  # `encrypted_content` once sealed (`_sealed`): a string or absent
                     events += self._add({"type": op.group, "status": "in_progress", **fields})
                 events += self._summary(delta.text) if isinstance(delta, Reasoning) and self.request.thinking.summary else self._text_delta(delta)
         return events
@@ -276,11 +277,11 @@ class _ResponseState:
             "previous_response_id": self._echo["previous_response_id"],
             "reasoning": {"effort": r.thinking.effort, "summary": r.thinking.summary},
             "store": self._echo["store"],
-            "temperature": s.temperature,  # what ran: the API node filled it if the request did not (shared.protocols `reports_sampling`)
+            "temperature": s.temperature if s.temperature is not None else self._reported.get("temperature"),
             "text": self._echo["text"],
             "tool_choice": _tool_choice(r),
             "tools": _tools(r.tools),
-            "top_p": s.top_p,
+            "top_p": s.top_p if s.top_p is not None else self._reported.get("top_p"),
             "presence_penalty": s.presence_penalty,
             "frequency_penalty": s.frequency_penalty,
             "top_logprobs": s.top_logprobs,
@@ -380,6 +381,8 @@ class _ResponseState:
         self.terminal = self.response("failed", error={"code": code, "message": message})
         return [
             *events,
+            # OpenAI's shape (the SDK's ResponseErrorEvent): an `error` key would make the openai SDK raise on this
+            # event instead of delivering response.failed (tests/openresponses.py notes the deviation)
             {"type": "error", "code": code, "message": message, "param": None},
             {"type": "response.failed", "response": self.terminal},
         ]

@@ -169,6 +169,7 @@ def request_from_dict(doc: dict[str, Any]) -> Request:
     kwargs["sampling"] = _sampling_from_dict(kwargs.get("sampling", {}))
     kwargs["tools"] = tuple(_tool_from_dict(t) for t in kwargs.get("tools", ()))
     kwargs["metadata"] = tuple((str(k), str(v)) for k, v in kwargs.get("metadata", ()))
+    kwargs["reported_sampling"] = tuple((str(k), float(v)) for k, v in kwargs.get("reported_sampling", ()))
     kwargs["prompt_token_ids"] = tuple(kwargs.get("prompt_token_ids", ()))
     kwargs["constraint"] = _constraint_from_dict(kwargs.get("constraint"))
     kwargs["thinking"] = Thinking(**{f.name: v for f in fields(Thinking) if (v := kwargs.get("thinking", {}).get(f.name)) is not None})

@@ -311,6 +311,10 @@ class Request:
     prompt_token_ids: tuple[int, ...] = ()
     endpoint: str = ""
     raw_body: str = ""
+    # The sampling values the API node expects a worker to run where the request set none (its `--default-*`
+    # over the model's generation config), for the fields the protocol's response reports (shared.protocols
+    # `reports_sampling`): shown, never sampled with; a worker resolves with its own defaults.
+    reported_sampling: tuple[tuple[str, float], ...] = ()
     cache_salt: str = ""  # prefix-cache isolation: blocks are shared only between equal salts (ingest.parsers.cache_salt)
 
 

@@ -37,8 +37,8 @@ class ProtocolSpec:
     prompt_param: str = "messages"  # how a context error names the prompt ...
     max_tokens_param: str = "max_tokens"  # ... and the output limit (an Anthropic-shaped protocol uses Anthropic's wording)
     finish_label: Callable[[FinishReason], str] = lambda reason: reason.value  # a finish reason in the protocol's own words (dumps, replay)
-    # Sampling fields the protocol's response reports as the values used: the API node fills those a request
-    # leaves unset before it is queued (ingest.http.app `Api.prepare`), so what is reported is what runs.
+    # Sampling fields the protocol's response reports as the values used: for those a request leaves unset the
+    # API node records what a worker runs by its flags (ingest.http.app `Api.prepare`, `Request.reported_sampling`).
     reports_sampling: tuple[str, ...] = ()
 
 

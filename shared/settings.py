@@ -328,8 +328,8 @@ class Settings:
     )
     log_format: str = setting("plain", EVERY, "plain (default) or json: one JSON object a line, for log shippers.")
     # Sampling defaults (models/generation.py): a request's value → these flags → the generation config.
-    # An API node uses the first three too: it fills the values a Responses object reports as used
-    # (temperature, top_p) before queueing, so in a split deployment give API nodes the same ones.
+    # An API node reads the first three too: a Responses object reports temperature / top_p by them where the
+    # request set none (workers sample by their own), so in a split deployment give API nodes the same ones.
     generation_config: str = setting(
         "auto",
         EVERY,

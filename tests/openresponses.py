@@ -38,6 +38,20 @@ def _spec() -> dict[str, Any]:
     # `{"type": "null"}` (its generator's rendering of an untyped field); OpenAI's API echoes the schema
     # object the request gave, and so does this server. Every other field is checked as published.
     spec["components"]["schemas"]["JsonSchemaResponseFormat"]["properties"]["schema"] = {"type": ["object", "null"]}
+    # And the SSE `error` event in OpenAI's shape (its SDK's ResponseErrorEvent: code, message, param at the top):
+    # the document's `error` payload key would make the openai SDK raise on the event (it raises on any event
+    # whose data has an `error` key) instead of handing the client the `response.failed` that follows.
+    spec["components"]["schemas"]["ErrorStreamingEvent"] = {
+        "type": "object",
+        "required": ["type", "sequence_number", "code", "message", "param"],
+        "properties": {
+            "type": {"enum": ["error"]},
+            "sequence_number": {"type": "integer"},
+            "code": {"type": ["string", "null"]},
+            "message": {"type": "string"},
+            "param": {"type": ["string", "null"]},
+        },
+    }
     return spec
 
 

@@ -60,7 +60,7 @@ from shared import keys
 from shared.codec import DELTA_FIELD
 from shared.deltas import Batch, StreamDelta
 from shared.errors import ApiError, invalid
-from shared.ir import FALLBACK, ImagePart, Protocol, Request, apply_defaults
+from shared.ir import FALLBACK, ImagePart, Protocol, Request
 from shared.protocols import spec
 from shared.redact import redact
 from shared.seal import Sealer, load_sealer, open_reasoning
@@ -132,8 +132,8 @@ class Api:
             output_cap=settings.max_output_tokens,
             default_max_tokens=settings.default_max_tokens,
         )
-        # What a model worker samples with where a request sets nothing (shared.ir `resolve`): the fields a
-        # protocol reports as used are filled in with it before queueing (`prepare`).
+        # What a model worker samples with where a request sets nothing (shared.ir `resolve`), as this node's flags
+        # say: recorded with a request for the fields its protocol reports (`prepare`), never used to sample.
         self.sampling_defaults = {**FALLBACK, **sampling_defaults(settings, renderer.info.sampling_defaults)}
 
     json = staticmethod(json_response)
@@ -168,10 +168,11 @@ class Api:
         request = open_reasoning(open_compactions(request, self.sealer), self.sealer)  # sealed items the client sent back
         prompt = self.renderer.render(request)
         max_tokens = fit_max_tokens(request.protocol, len(prompt), request.sampling.max_tokens, self.context)
-        reported = {name: self.sampling_defaults[name] for name in spec(request.protocol).reports_sampling}
+        reported = tuple((name, float(self.sampling_defaults[name])) for name in spec(request.protocol).reports_sampling)
         return replace(
             request,
-            sampling=replace(apply_defaults(request.sampling, reported), max_tokens=max_tokens),
+            sampling=replace(request.sampling, max_tokens=max_tokens),
+            reported_sampling=reported,
             prompt_token_ids=tuple(prompt),
             raw_body=orjson.dumps(redact(body)).decode(),
         )
