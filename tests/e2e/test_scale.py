@@ -45,7 +45,9 @@ def client_of(server: LiveServer, connections: int) -> openai.AsyncOpenAI:
 async def watch_ready(server: LiveServer, stop: asyncio.Event, seen: list[int]) -> None:
     async with httpx.AsyncClient(timeout=10) as http:
         while not stop.is_set():
-            seen.append((await http.get(f"{server.base_url}/ready")).status_code)
+            # a fresh connection each time: a kept-alive one can be closed by the server's keep-alive timeout just as
+            # a poll reuses it (the client's loop, busy with 1,100 streams, may sleep far past 0.2 s)
+            seen.append((await http.get(f"{server.base_url}/ready", headers={"Connection": "close"})).status_code)
             await asyncio.sleep(0.2)
 
 
