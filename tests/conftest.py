@@ -5,13 +5,14 @@ The live server is started once per session as a subprocess, exactly as a user w
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+import redis.asyncio
 
 from cli.embedded_redis import EmbeddedRedis, free_port
 from models.files import local_folder
@@ -194,3 +196,14 @@ def tokenizer() -> Any:
     settings = Settings.from_env(os.environ)
     _, folder = local_folder(settings.model, settings.model_cache)
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+@contextlib.asynccontextmanager
+async def redis_db(redis_server: str, db: int) -> AsyncIterator[redis.asyncio.Redis]:
+    """An asyncio client on database `db` of the session's redis-server, emptied first (a module's own db)."""
+    client = redis.asyncio.Redis.from_url(redis_server.rsplit("/", 1)[0] + f"/{db}")
+    await client.flushdb()
+    try:
+        yield client
+    finally:
+        await client.aclose()

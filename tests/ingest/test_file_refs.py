@@ -15,6 +15,7 @@ from ingest.parsers import file_inputs, openai_chat, openai_responses
 from shared.errors import ApiError
 from shared.settings import Settings
 
+from ..conftest import redis_db
 from ..pdfs import pdf_with_text
 
 SETTINGS = Settings()
@@ -22,10 +23,8 @@ SETTINGS = Settings()
 
 @pytest.fixture
 async def redis(redis_server: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_server.rsplit("/", 1)[0] + "/12")
-    await client.flushdb()
-    yield client
-    await client.aclose()
+    async with redis_db(redis_server, 12) as client:
+        yield client
 
 
 def responses_body(file_id: str) -> dict[str, Any]:

@@ -15,15 +15,15 @@ from shared.errors import ApiError
 from shared.ir import Role
 from shared.settings import Settings
 
+from ..conftest import redis_db
+
 SETTINGS = Settings()
 
 
 @pytest.fixture
 async def redis(redis_server: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_server.rsplit("/", 1)[0] + "/11")
-    await client.flushdb()
-    yield client
-    await client.aclose()
+    async with redis_db(redis_server, 11) as client:
+        yield client
 
 
 def parsed(body: dict[str, object], rid: str):  # type: ignore[no-untyped-def]
