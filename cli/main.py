@@ -21,7 +21,7 @@ from cli.dump import DataDirOption as DumpDataDir
 from cli.dump import app as dump_app
 from cli.replay import HELP as REPLAY_HELP
 from shared.redact import is_secret, redact_url
-from shared.settings import CACHE_SALT_POLICIES, QUANTIZATIONS, Flag, Settings, flag_of
+from shared.settings import CACHE_SALT_POLICIES, QUANTIZATIONS, ROUTINGS, Flag, Settings, flag_of
 
 app = typer.Typer(
     help="Metrale: an LLM inference server speaking OpenAI Chat Completions, OpenAI Responses, legacy OpenAI Completions and Anthropic Messages.",
@@ -85,6 +85,8 @@ def _settings(**overrides: object) -> Settings:
         raise typer.BadParameter(f"{settings.quantization!r}: choose one of {', '.join(QUANTIZATIONS)}", param_hint="--quantization")
     if settings.cache_salt not in CACHE_SALT_POLICIES:
         raise typer.BadParameter(f"{settings.cache_salt!r}: choose one of {', '.join(CACHE_SALT_POLICIES)}", param_hint="--cache-salt")
+    if settings.routing not in ROUTINGS:
+        raise typer.BadParameter(f"{settings.routing!r}: choose one of {', '.join(ROUTINGS)}", param_hint="--routing")
     if settings.upstream_flavor not in ("vllm", "openai"):
         raise typer.BadParameter(f"{settings.upstream_flavor!r}: use vllm or openai", param_hint="--upstream-flavor")
     if settings.upstream and not settings.upstream.startswith(("http://", "https://")):

@@ -18,6 +18,34 @@ PREFIX = "met"
 REQUEST_STREAM = f"{PREFIX}:requests"
 WORKER_GROUP = f"{PREFIX}:workers"
 
+# Prefix-aware routing (ingest.http.routing, workers.routed). A request the API node routes goes onto the
+# chosen worker's own stream, `routed_stream(worker)`, read through a group of the same name WORKER_GROUP: it is
+# pending there like any other, so the same leases, fencing and reclaim hold. Each routed stream shares the
+# request stream's hash slot (its hash tag is REQUEST_STREAM), so one XREADGROUP reads both on a cluster too.
+# Writer: ingest.http.publish (XADD, never MAXLEN). Readers: that worker (XREADGROUP with the shared stream),
+# every other worker once it is gone (workers.routed.adopt: XAUTOCLAIM of what it held, XREADGROUP of what it
+# never read).
+ROUTED_STREAM_PREFIX = f"{PREFIX}:requests:{{{REQUEST_STREAM}}}:to:"
+# The workers that may have a routed stream (score: their last heartbeat). A worker joins with its first
+# heartbeat and stays until its stream is empty after it left, so a stream whose worker died or drained is
+# always found and emptied. Writers: workers.claims heartbeat (ZADD), workers.routed.adopt (ZREM once empty).
+# Readers: workers.routed.adopt, `met top`.
+ROUTED_WORKERS = f"{PREFIX}:routed:workers"
+
+
+def routed_stream(worker_id: str) -> str:
+    """One worker's own request stream (see ROUTED_STREAM_PREFIX)."""
+    return f"{ROUTED_STREAM_PREFIX}{worker_id}"
+
+
+def kv_index(worker_id: str) -> str:
+    """Set of the block keys (each its first 8 bytes: shared.block_keys.index_key)
+    the worker's prefix cache holds: bounded by its KV blocks, expiring with its heartbeat. Writer: that
+    worker (workers.routed.KVIndexPublisher: SADD / SREM as blocks are keyed and evicted, a full snapshot
+    after a restart or a Redis outage). Readers: API nodes routing (ingest.http.routing, SMISMEMBER)."""
+    return f"{PREFIX}:kvindex:{{{worker_id}}}"
+
+
 # Accepted-but-unfinished requests, cluster-wide (the queue depth admission checks): a sorted set of request
 # ids, score = admission time (unix). A set of ids, not a counter, so that it heals itself: taking an id out
 # twice is harmless, and what a lost write leaks is found and removed (workers.leases.sweep_inflight: ids

@@ -23,6 +23,7 @@ def default_data_dir(environ: Mapping[str, str]) -> str:
 
 
 QUANTIZATIONS = ("none", "int4", "auto")  # --quantization (workers.quant)
+ROUTINGS = ("prefix", "shared")  # --routing (ingest.http.routing)
 CACHE_SALT_POLICIES = ("auto", "per-key", "none")  # --cache-salt (ingest.parsers.cache_salt)
 
 # The `met` commands a setting is a flag of (every one is also MET_<FIELD>): `serve` runs both roles.
@@ -170,6 +171,16 @@ class Settings:
     kv_budget_mb: int = setting(0, WORKER, "KV block pool per worker, MiB (default: a share of free memory).")
     prefix_cache: bool = setting(True, WORKER, "Reuse the KV blocks of identical prompt prefixes (on by default).")
     max_queue: int = setting(256, API, "Accepted-but-unfinished requests beyond which new ones get 429 / 529.")
+    routing: str = setting(
+        "prefix",
+        API,
+        "Where a request goes: 'prefix' routes it to the worker whose prefix cache holds most of its prompt, weighed "
+        "against each worker's queue (with two or more workers; see README 'Routing'); 'shared' lets whichever worker asks first take it.",
+    )
+    routing_min_overlap: int = setting(256, API, "Prompt tokens a worker must hold cached for a request to be routed to it (else: the shared queue).")
+    routing_queue_cost: int = setting(
+        1024, API, "Routing's cost of one request in a worker's queue, in prompt tokens to prefill (trades cache hits against load)."
+    )
     request_timeout: float = setting(600.0, EVERY, "Seconds from acceptance until a request ends with a timeout finish.")
     resume_grace_s: float = setting(
         3.0,

@@ -12,29 +12,20 @@ with a fake runner:
   pool needs a fresh block, which takes a never-keyed free block first, then evicts the oldest one.
 
 Hand-rolled (not a library): the bookkeeping is a few dictionaries tied to our scheduler's Sequence;
-vLLM's and SGLang's block managers are the models, not importable pieces. The hash is BLAKE2b over
-the token bytes (not Python's `hash`), so one client cannot craft a prompt that collides with another
-client's prefix and reads its keys/values.
+vLLM's and SGLang's block managers are the models, not importable pieces.
+
+The pool keeps a journal of the keys it gains and loses (`journal`, when a routing index is published:
+workers.routed), taken by the step thread after each step.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 
-BLOCK_SIZE = 16
-ROOT = b""  # the hash "before" the first block
+from shared.block_keys import BLOCK_SIZE, ROOT, chain_hash
 
-
-def chain_hash(parent: bytes, tokens: Seq[int], salt: bytes = b"") -> bytes:
-    """Key of a full block: its parent's key, its token ids, and whatever else changes the keys/values
-    (`salt`, e.g. a LoRA adapter's name later)."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(salt)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
+__all__ = ["BLOCK_SIZE", "ROOT", "BlockPool", "chain_hash"]
 
 
 class BlockPool:
@@ -49,6 +40,18 @@ class BlockPool:
         self._by_key: dict[bytes, int] = {}
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of which found cached
+        self.journal: dict[bytes, bool] | None = None  # key -> True keyed / False evicted since taken (None: not kept)
+
+    def take_journal(self) -> dict[bytes, bool]:
+        """What keys were gained (True) and lost (False) since the last take; empty when no journal is kept."""
+        if not self.journal:
+            return {}
+        taken, self.journal = self.journal, {}
+        return taken
+
+    def cached_keys(self) -> list[bytes]:
+        """Every key the cache holds now (a routing index's full snapshot)."""
+        return list(self._by_key)
 
     @property
     def num_free(self) -> int:
@@ -95,6 +98,8 @@ class BlockPool:
             assert key is not None
             del self._by_key[key]
             self._key_of[block] = None
+            if self.journal is not None:
+                self.journal[key] = False
         else:
             return None
         self._refs[block] = 1
@@ -118,6 +123,8 @@ class BlockPool:
         if self.prefix_cache and key not in self._by_key and self._key_of[block] is None:
             self._by_key[key] = block
             self._key_of[block] = key
+            if self.journal is not None:
+                self.journal[key] = True
 
     def count_query(self, *, queried: int, hit: int) -> None:
         self.queries += queried

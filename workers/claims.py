@@ -37,7 +37,7 @@ from dataclasses import replace
 from typing import Any, Generic, Protocol, TypeVar
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from bus import cancels
 from bus.connect import is_cluster
@@ -51,6 +51,7 @@ from workers.coalesce import Coalescer
 from workers.engine import FAILED_ADD, Emission
 from workers.faults import fault_injection
 from workers.outbox import Held, Outbox, outcome_of
+from workers.routed import KVIndex, adopt_routed
 
 log = logging.getLogger("workers.loop")
 TRIM_EVERY_S = 60.0
@@ -133,11 +134,21 @@ class ClaimLoop(Outbox, Generic[E]):
         self._claimer: asyncio.Task[None] | None = None
         self.reclaim_due = False  # a reclaim pass is due: it runs before the next claim of new work that has room
         self._reclaim_cursor = leases.START
+        self.own_stream = keys.routed_stream(worker_id)  # what API nodes route to this worker (ingest.http.routing)
+        self.kv_index = KVIndex(worker_id, ttl_s=settings.heartbeat_ttl)  # what its cache holds, for them
+        self.routed_queue = 0  # entries of its own stream not read yet (at the last heartbeat)
+
+    async def ensure_groups(self) -> None:
+        """The consumer group on the shared stream and on this worker's own; the routing index's snapshot."""
+        await leases.ensure_group(self.redis)
+        await leases.ensure_group(self.redis, self.own_stream)
+        self.kv_index.replace_all(self.index_snapshot())
+        await self.kv_index.flush(self.redis, force=True)
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():  # Redis may not be up yet (or be restarting): wait for it
             try:
-                await leases.ensure_group(self.redis)
+                await self.ensure_groups()
                 await self.heartbeat()
                 break
             except RedisError as exc:
@@ -161,7 +172,7 @@ class ClaimLoop(Outbox, Generic[E]):
             if not self.redis_up():
                 continue  # step_once retries Redis on its backoff; nothing to renew meanwhile
             try:
-                await leases.renew(self.redis, self.worker_id, [h.entry_id for h in self.held.values()])
+                await leases.renew_all(self.redis, self.worker_id, [h.entry for h in self.held.values()])
                 if self._every("heartbeat", self.settings.heartbeat_interval):
                     await self.heartbeat()
             except RedisError as exc:
@@ -198,6 +209,12 @@ class ClaimLoop(Outbox, Generic[E]):
                     await self.periodic()
             except RedisError as exc:
                 self._lost(exc)
+        if self.redis_up():
+            try:
+                self.kv_index.note(self.index_changes())
+                await self.kv_index.flush(self.redis)
+            except RedisError as exc:
+                self._lost(exc)
 
     def redis_up(self) -> bool:
         """Whether to talk to Redis now: always, except between tries while it does not answer."""
@@ -218,7 +235,9 @@ class ClaimLoop(Outbox, Generic[E]):
         if self.redis_down_since is None:
             return
         await leases.ensure_group(self.redis)  # a Redis that came back empty has no group
-        await leases.renew(self.redis, self.worker_id, [h.entry_id for h in self.held.values()])
+        await leases.ensure_group(self.redis, self.own_stream)
+        await leases.renew_all(self.redis, self.worker_id, [h.entry for h in self.held.values()])
+        self.kv_index.replace_all(self.index_snapshot())  # (it may have lost the index)
         await self.publish([])
         log.warning("redis is back after %.1f s; %d request(s) in flight carried on", time.monotonic() - self.redis_down_since, len(self.held))
         self.redis_down_since, self._backoff = None, 0.0
@@ -290,6 +309,14 @@ class ClaimLoop(Outbox, Generic[E]):
         """The engine's part of the heartbeat hash."""
         raise NotImplementedError
 
+    def index_changes(self) -> dict[bytes, bool]:
+        """Block keys gained (True) and lost (False) since the last call, for the routing index (workers.routed)."""
+        return {}
+
+    def index_snapshot(self) -> list[bytes]:
+        """Every block key the routing index should hold now (called where no step runs)."""
+        return []
+
     def _every(self, name: str, seconds: float) -> bool:
         now = time.monotonic()
         if now < self._due[name]:
@@ -309,6 +336,7 @@ class ClaimLoop(Outbox, Generic[E]):
                 log.warning("in-flight set: removed %d id(s) that had finished or never reached the queue: %s", len(healed), healed[:5])
         if self._every("trim", TRIM_EVERY_S):
             await leases.trim_acknowledged(self.redis)
+            await leases.trim_acknowledged(self.redis, self.own_stream)
             await self.redis.zremrangebyscore(keys.REQUEST_INDEX, "-inf", time.time() - self.settings.dump_ttl)
 
     async def claim(self, *, block_ms: int | None) -> None:
@@ -318,7 +346,14 @@ class ClaimLoop(Outbox, Generic[E]):
             await self.reclaim()
         count = self.capacity()
         if count:
-            await self.take(await leases.claim_new(self.redis, self.worker_id, count=count, block_ms=block_ms))
+            try:
+                claims = await leases.claim_new(self.redis, self.worker_id, count=count, block_ms=block_ms, own=self.own_stream)
+            except ResponseError as exc:  # a group missing (a Redis that lost it, a loop started without `run`): make them
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self.ensure_groups()
+                claims = await leases.claim_new(self.redis, self.worker_id, count=count, block_ms=block_ms, own=self.own_stream)
+            await self.take(claims)
         elif block_ms:
             await asyncio.sleep(block_ms / 1000)
 
@@ -335,6 +370,10 @@ class ClaimLoop(Outbox, Generic[E]):
             await self.take(claims)
             if self._reclaim_cursor == leases.START:
                 self.reclaim_due = False
+                settings = self.settings
+                await self.take(
+                    await adopt_routed(self.redis, self.worker_id, count=self.capacity(), heartbeat_ttl=settings.heartbeat_ttl, lease_s=settings.lease_s)
+                )
                 return
 
     async def take(self, claims: list[leases.Claimed]) -> None:
@@ -364,14 +403,14 @@ class ClaimLoop(Outbox, Generic[E]):
             terminal = next((d for d in recorded if is_terminal(d)), None)
             if terminal is not None:  # an earlier attempt finished it and died before its ack: finish the books only
                 outcome: Any = await self.redis.hget(keys.request_meta(request.id), Meta.OUTCOME)
-                self.held[request.id] = Held(claimed.entry_id, 0)
+                self.held[request.id] = Held(claimed.entry_id, 0, stream=claimed.stream)
                 await self._forget(request.id, ack=True, outcome=bytes(outcome).decode() if outcome else outcome_of(terminal))
                 continue
             starting.append((claimed, request, recorded, flag))
         attempts = await leases.begin_attempts(self.redis, [(request.id, claimed.deliveries) for claimed, request, _, _ in starting], worker=self.worker_id)
         emissions: list[Emission] = []
         for (claimed, request, recorded, flag), attempt in zip(starting, attempts, strict=True):
-            self.held[request.id] = Held(claimed.entry_id, attempt)
+            self.held[request.id] = Held(claimed.entry_id, attempt, stream=claimed.stream)
             emissions += await self._start_one(claimed, request, recorded, flag)
         await self.publish(emissions)
 
@@ -403,10 +442,10 @@ class ClaimLoop(Outbox, Generic[E]):
         log.error("unreadable request entry %s (request %s): %s", claimed.entry_id, rid or "?", reason)
         await self.redis.xadd(keys.DEAD_LETTER, dead_letter_entry(rid, entry=claimed.entry_id, deliveries=claimed.deliveries, now=time.time(), reason=reason))
         if not rid:
-            await self.redis.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, claimed.entry_id)
+            await self.redis.xack(claimed.stream, keys.WORKER_GROUP, claimed.entry_id)
             return
         attempt = await leases.begin_attempt(self.redis, rid, worker=self.worker_id, deliveries=claimed.deliveries)
-        self.held[rid] = Held(claimed.entry_id, attempt)
+        self.held[rid] = Held(claimed.entry_id, attempt, stream=claimed.stream)
         error = Error(message="The worker could not read this request (it was set aside).", kind=ErrorKind.INTERNAL, attempt=attempt)
         await self.publish([Emission(rid, error)])
 
@@ -465,13 +504,20 @@ class ClaimLoop(Outbox, Generic[E]):
             "cancelled": self.cancelled_total,
             "stale_writes": self.stale_total,
             "redis_outages": self.redis_outages,
+            "routed_queue": self.routed_queue,
+            "index_size": self.kv_index.size,
             **self.phases.figures(),
         }
+        now = time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(keys.worker_info(self.worker_id), mapping=figures)
             pipe.expire(keys.worker_info(self.worker_id), int(self.settings.heartbeat_ttl) + 1)
-            pipe.zadd(keys.WORKERS_ALIVE, {self.worker_id: time.time()})
+            pipe.zadd(keys.WORKERS_ALIVE, {self.worker_id: now})
+            # a drained worker is gone for the routed streams' books at once (workers.routed.adopt_routed)
+            pipe.zadd(keys.ROUTED_WORKERS, {self.worker_id: now - self.settings.heartbeat_ttl if self.draining else now})
+            pipe.expire(self.kv_index.key, self.kv_index.ttl_s)
             await pipe.execute()
+        self.routed_queue = await leases.undelivered(self.redis, self.own_stream)
 
     async def drain(self) -> None:
         """Stop claiming, finish what runs within the drain timeout, hand the rest back, leave."""
@@ -488,9 +534,11 @@ class ClaimLoop(Outbox, Generic[E]):
         try:
             if left:
                 log.warning("drain timeout: handing %d request(s) back for another worker to resume", len(left))
-                await leases.release(self.redis, self.worker_id, [h.entry_id for _, h in left], lease_s=self.settings.lease_s)
+                for stream, entry_ids in leases.by_stream([h.entry for _, h in left]).items():
+                    await leases.release(self.redis, self.worker_id, entry_ids, lease_s=self.settings.lease_s, stream=stream)
             await self.redis.zrem(keys.WORKERS_ALIVE, self.worker_id)
-            await self.redis.delete(keys.worker_info(self.worker_id))
+            await self.redis.delete(keys.worker_info(self.worker_id), self.kv_index.key)
+            await self.redis.zadd(keys.ROUTED_WORKERS, {self.worker_id: time.time() - self.settings.heartbeat_ttl})
         except RedisError as exc:
             log.warning("redis unavailable while leaving (%s): %d request(s) left go to another worker when their lease lapses", type(exc).__name__, len(left))
         for rid, _ in left:

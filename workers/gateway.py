@@ -42,6 +42,7 @@ from typing import Any
 import httpx
 
 from models.generation import operator_defaults
+from shared.block_keys import BLOCK_SIZE
 from shared.deltas import (
     Content,
     Error,
@@ -63,11 +64,13 @@ from shared.upstream_chunks import UpstreamStream, refusal
 from shared.upstream_request import chat_body, continue_body
 from workers.claims import ClaimLoop
 from workers.engine import Emission
+from workers.routed import PromptKeys
 
 log = logging.getLogger(__name__)
 PROBE_EVERY_S = 2.0
 RETRY_CONNECT_S = 0.5
 RESUME_MESSAGE = "The gateway worker streaming this response stopped; the upstream cannot continue it, so it ends here."
+PROMPT_KEYS_KEPT = 65_536  # block keys of served prompts in the routing index (~1M tokens of prefixes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +363,8 @@ class GatewayLoop(ClaimLoop[Gateway]):
         super().__init__(redis, engine, settings=settings, worker_id=worker_id, info=info)
         self._probe: asyncio.Task[bool] | None = None
         self.defaults = operator_defaults(settings)  # --default-* over a --generation-config FILE (models.generation)
+        # the upstream's cache cannot be seen: the prompts it served stand for it in the routing index (workers.routed)
+        self.prompt_keys = PromptKeys(PROMPT_KEYS_KEPT)
 
     def with_defaults(self, request: Request) -> Request:
         return replace(request, sampling=apply_defaults(request.sampling, self.defaults))
@@ -382,7 +387,11 @@ class GatewayLoop(ClaimLoop[Gateway]):
                 return [Emission(request.id, Error(message=RESUME_MESSAGE, kind=ErrorKind.INTERNAL, attempt=attempt))]
             log.info("request %s: resumed after a gateway worker stopped mid-stream; the upstream continues its %d tokens", request.id, continuing.tokens)
         self.engine.add(request, attempt=attempt, continuing=continuing)
+        self.prompt_keys.served(request.prompt_token_ids, request.cache_salt)
         return []
+
+    def index_changes(self) -> dict[bytes, bool]:
+        return self.prompt_keys.take_journal()
 
     async def periodic(self) -> None:
         await super().periodic()
@@ -404,6 +413,9 @@ class GatewayLoop(ClaimLoop[Gateway]):
             "running": active,
             "waiting": 0,
             "active": active,
+            "block_size": BLOCK_SIZE,
+            "max_running": self.engine.upstream.max_inflight,
+            "routable": 1,
             "started_requests": stats.started,
             "continued_requests": stats.continued,
         }

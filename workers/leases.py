@@ -92,32 +92,49 @@ class Claimed:
     entry_id: str
     fields: dict[bytes, bytes] | None  # None: the entry was trimmed away meanwhile
     deliveries: int
+    stream: str = keys.REQUEST_STREAM  # the shared request stream, or a worker's routed one (shared.keys.routed_stream)
 
 
-async def ensure_group(redis: Redis) -> None:
+async def ensure_group(redis: Redis, stream: str = keys.REQUEST_STREAM) -> None:
     try:
-        await redis.xgroup_create(keys.REQUEST_STREAM, keys.WORKER_GROUP, id="0", mkstream=True)
+        await redis.xgroup_create(stream, keys.WORKER_GROUP, id="0", mkstream=True)
     except ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
 
 
-async def claim_new(redis: Redis, consumer: str, *, count: int, block_ms: int | None) -> list[Claimed]:
-    reply: Any = await redis.xreadgroup(keys.WORKER_GROUP, consumer, {keys.REQUEST_STREAM: ">"}, count=count, block=block_ms)
-    return [Claimed(_text(eid), fields, 1) for _stream, entries in reply or [] for eid, fields in entries]
+async def claim_new(
+    redis: Redis, consumer: str, *, count: int, block_ms: int | None, own: str | None = None, stream: str = keys.REQUEST_STREAM
+) -> list[Claimed]:
+    """New entries for `consumer`: of the shared request stream and, with `own`, of that stream too (the
+    worker's routed stream: one call, one slot, so an idle worker blocks on both). COUNT holds per stream:
+    up to twice `count` may come back (the scheduler queues what is over its room: a routed request was
+    meant for this worker)."""
+    streams: dict[Any, Any] = {own: ">", stream: ">"} if own else {stream: ">"}
+    reply: Any = await redis.xreadgroup(keys.WORKER_GROUP, consumer, streams, count=count, block=block_ms)
+    return [Claimed(_text(eid), fields, 1, _text(stream)) for stream, entries in _stream_replies(reply) for eid, fields in entries]
 
 
-async def reclaim_idle(redis: Redis, consumer: str, *, count: int, lease_s: float) -> list[Claimed]:
+def _stream_replies(reply: Any) -> list[tuple[Any, Any]]:
+    """XREADGROUP's reply as (stream, entries) pairs: RESP2 gives a list of pairs, RESP3 a map."""
+    if not reply:
+        return []
+    return list(reply.items()) if isinstance(reply, dict) else [(r[0], r[1]) for r in reply]
+
+
+async def reclaim_idle(redis: Redis, consumer: str, *, count: int, lease_s: float, stream: str = keys.REQUEST_STREAM) -> list[Claimed]:
     """Take over up to `count` entries idle longer than the lease, from the start of the pending list
     (one page: `reclaim_page` goes on from where a page stopped)."""
-    claimed, _cursor = await reclaim_page(redis, consumer, count=count, lease_s=lease_s, start=START)
+    claimed, _cursor = await reclaim_page(redis, consumer, count=count, lease_s=lease_s, start=START, stream=stream)
     return claimed
 
 
 START = "0-0"  # XAUTOCLAIM's cursor at the start of the pending list; a page returning it has seen the end
 
 
-async def reclaim_page(redis: Redis, consumer: str, *, count: int, lease_s: float, start: str) -> tuple[list[Claimed], str]:
+async def reclaim_page(
+    redis: Redis, consumer: str, *, count: int, lease_s: float, start: str, stream: str = keys.REQUEST_STREAM
+) -> tuple[list[Claimed], str]:
     """One XAUTOCLAIM page from cursor `start`: the entries taken over (idle longer than the lease) and
     the cursor to go on from (START once the pending list's end was reached). Redis scans at most ten
     times `count` entries a page, so a long pending list of live work takes several pages to cross, and
@@ -126,15 +143,15 @@ async def reclaim_page(redis: Redis, consumer: str, *, count: int, lease_s: floa
     # Read the reply raw: redis-py's parser assumes 7.x and fails on 6.2's [id, nil] for deleted entries.
     redis.set_response_callback("XAUTOCLAIM", _raw)
     reply: Any = await redis.execute_command(
-        "XAUTOCLAIM", keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, int(lease_s * 1000), start, "COUNT", count
+        "XAUTOCLAIM", stream, keys.WORKER_GROUP, consumer, int(lease_s * 1000), start, "COUNT", count
     )
     cursor = _text(reply[0]) if reply else START
     entries = reply[1] if reply else []
     claimed = [(_text(e[0]), _fields(e[1])) for e in entries if e]
     if not claimed:
         return [], cursor
-    deliveries = await _delivery_counts(redis, [eid for eid, _ in claimed])
-    return [Claimed(eid, fields, deliveries.get(eid, 1)) for eid, fields in claimed], cursor
+    deliveries = await _delivery_counts(redis, [eid for eid, _ in claimed], stream)
+    return [Claimed(eid, fields, deliveries.get(eid, 1), stream) for eid, fields in claimed], cursor
 
 
 async def forget_dead_workers(redis: Redis, *, heartbeat_ttl: float, lease_s: float) -> list[str]:
@@ -162,24 +179,38 @@ async def forget_dead_workers(redis: Redis, *, heartbeat_ttl: float, lease_s: fl
     return gone
 
 
-async def _delivery_counts(redis: Redis, entry_ids: list[str]) -> dict[str, int]:
+async def _delivery_counts(redis: Redis, entry_ids: list[str], stream: str = keys.REQUEST_STREAM) -> dict[str, int]:
     counts: dict[str, int] = {}
     async with redis.pipeline(transaction=False) as pipe:
         for eid in entry_ids:
-            pipe.xpending_range(keys.REQUEST_STREAM, keys.WORKER_GROUP, min=eid, max=eid, count=1)
+            pipe.xpending_range(stream, keys.WORKER_GROUP, min=eid, max=eid, count=1)
         for rows in await pipe.execute():
             for row in rows:
                 counts[_text(row["message_id"])] = int(row["times_delivered"])
     return counts
 
 
-async def renew(redis: Redis, consumer: str, entry_ids: list[str]) -> None:
+async def renew(redis: Redis, consumer: str, entry_ids: list[str], *, stream: str = keys.REQUEST_STREAM) -> None:
     """Reset the idle time of the entries we hold (not a delivery), so nobody reclaims live work."""
     if entry_ids:
-        await redis.xclaim(keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, 0, list[Any](entry_ids), justid=True)
+        await redis.xclaim(stream, keys.WORKER_GROUP, consumer, 0, list[Any](entry_ids), justid=True)
 
 
-async def release(redis: Redis, consumer: str, entry_ids: list[str], *, lease_s: float) -> None:
+async def renew_all(redis: Redis, consumer: str, held: list[tuple[str, str]]) -> None:
+    """`renew` (stream, entry id) pairs held on several streams: one call per stream."""
+    for stream, entry_ids in by_stream(held).items():
+        await renew(redis, consumer, entry_ids, stream=stream)
+
+
+def by_stream(held: list[tuple[str, str]]) -> dict[str, list[str]]:
+    """(stream, entry id) pairs grouped by stream, the shared one first."""
+    grouped: dict[str, list[str]] = {}
+    for stream, eid in sorted(held, key=lambda h: h[0] != keys.REQUEST_STREAM):
+        grouped.setdefault(stream, []).append(eid)
+    return grouped
+
+
+async def release(redis: Redis, consumer: str, entry_ids: list[str], *, lease_s: float, stream: str = keys.REQUEST_STREAM) -> None:
     """Hand entries back at once (a drain's hand-back): mark them idle past the lease so the next
     XAUTOCLAIM takes them, with their delivery count one lower, so that XAUTOCLAIM's increment leaves it
     where it was: a hand-back is not a failed delivery, and a long request carried through rolling
@@ -187,11 +218,11 @@ async def release(redis: Redis, consumer: str, entry_ids: list[str], *, lease_s:
     if not entry_ids:
         return
     idle_ms = int(lease_s * 1000) * 10
-    counts = await _delivery_counts(redis, entry_ids)
+    counts = await _delivery_counts(redis, entry_ids, stream)
     async with redis.pipeline(transaction=False) as pipe:
         for eid in entry_ids:
             retries = max(0, counts.get(eid, 1) - 1)
-            pipe.xclaim(keys.REQUEST_STREAM, keys.WORKER_GROUP, consumer, 0, [eid], idle=idle_ms, retrycount=retries, justid=True)
+            pipe.xclaim(stream, keys.WORKER_GROUP, consumer, 0, [eid], idle=idle_ms, retrycount=retries, justid=True)
         await pipe.execute()
 
 
@@ -248,18 +279,45 @@ async def _sweep(redis: Redis, in_flight: str, grace_s: float) -> list[str]:
     return gone
 
 
-async def trim_acknowledged(redis: Redis) -> None:
-    """Trim the request stream below the oldest entry still pending or not yet delivered (never MAXLEN)."""
-    groups: Any = await redis.xinfo_groups(keys.REQUEST_STREAM)
+async def trim_acknowledged(redis: Redis, stream: str = keys.REQUEST_STREAM) -> None:
+    """Trim a request stream below the oldest entry still pending or not yet delivered (never MAXLEN)."""
+    groups: Any = await redis.xinfo_groups(stream)
     group = next((g for g in groups if _text(g["name"]) == keys.WORKER_GROUP), None)
     if group is None:
         return
     floor = _text(group["last-delivered-id"])
-    summary: Any = await redis.xpending(keys.REQUEST_STREAM, keys.WORKER_GROUP)
+    summary: Any = await redis.xpending(stream, keys.WORKER_GROUP)
     if summary and summary.get("pending") and summary.get("min"):
         floor = min(floor, _text(summary["min"]), key=_id_key)
     if floor != "0-0":
-        await redis.xtrim(keys.REQUEST_STREAM, minid=floor, approximate=False)
+        await redis.xtrim(stream, minid=floor, approximate=False)
+
+
+async def undelivered(redis: Redis, stream: str, *, cap: int = 64) -> int:
+    """Entries of a request stream its group has not delivered yet (up to `cap`; 0 with no stream or group)."""
+    try:
+        groups: Any = await redis.xinfo_groups(stream)
+    except ResponseError:
+        return 0
+    group = next((g for g in groups if _text(g["name"]) == keys.WORKER_GROUP), None)
+    if group is None:
+        return 0
+    newer: Any = await redis.xrange(stream, min=f"({_text(group['last-delivered-id'])}", count=cap)
+    return len(newer)
+
+
+async def work_left(redis: Redis, stream: str) -> int:
+    """Entries of a request stream still pending in the group or not yet delivered (0: it holds no work;
+    a stream or group that does not exist holds none)."""
+    try:
+        groups: Any = await redis.xinfo_groups(stream)
+    except ResponseError:  # no such stream
+        return 0
+    group = next((g for g in groups if _text(g["name"]) == keys.WORKER_GROUP), None)
+    if group is None:
+        return int(await redis.xlen(stream))
+    newer: Any = await redis.xrange(stream, min=f"({_text(group['last-delivered-id'])}", count=1)
+    return int(group.get("pending") or 0) + len(newer)
 
 
 def _raw(response: Any, **_options: Any) -> Any:

@@ -73,6 +73,10 @@ class WorkerLoop(ClaimLoop[Engine]):
         self._stepper = stepper or torch_thread()
         if engine.score_prompt is not None:
             engine.score_prompt = on_thread(self._stepper, engine.score_prompt)
+        self._pool = engine.scheduler.pool
+        self._max_running = engine.scheduler.max_running
+        if self._pool.prefix_cache:
+            self._pool.journal = {}  # what the routing index publishes (workers.routed)
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
@@ -119,4 +123,17 @@ class WorkerLoop(ClaimLoop[Engine]):
         """The rates since the previous heartbeat, from the figures the step handed over (`figures`):
         never the engine's tables, which the step thread may be changing meanwhile."""
         prefill_tps, decode_tps = self._rates(time.monotonic())
-        return {"prefill_tps": round(prefill_tps, 1), "decode_tps": round(decode_tps, 1)}
+        return {
+            "prefill_tps": round(prefill_tps, 1),
+            "decode_tps": round(decode_tps, 1),
+            "block_size": self._pool.block_size,
+            "max_running": self._max_running,
+            "routable": int(self._pool.prefix_cache),
+        }
+
+    def index_changes(self) -> dict[bytes, bool]:
+        """The block pool's journal: called on the loop between steps (the step thread is idle then)."""
+        return self._pool.take_journal()
+
+    def index_snapshot(self) -> list[bytes]:
+        return self._pool.cached_keys()

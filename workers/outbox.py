@@ -44,6 +44,11 @@ class Held:
     entry_id: str
     attempt: int
     written: int = 0  # deltas of this attempt the fenced script has confirmed
+    stream: str = keys.REQUEST_STREAM  # where the entry is pending: the shared request stream or a routed one
+
+    @property
+    def entry(self) -> tuple[str, str]:
+        return self.stream, self.entry_id
 
 
 class Outbox:
@@ -133,7 +138,8 @@ class Outbox:
         ended = [(rid, outcome, self.held[rid]) for rid, outcome in self.settle.items() if rid in self.held]
         if ended:
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, *(held.entry_id for _, _, held in ended))
+                for stream, entry_ids in leases.by_stream([held.entry for _, _, held in ended]).items():
+                    pipe.xack(stream, keys.WORKER_GROUP, *entry_ids)
                 for in_flight in keys.IN_FLIGHT_SETS:  # interactive or a batch line: ZREM of an absent id is harmless
                     pipe.zrem(in_flight, *(rid for rid, _, _ in ended))
                 for rid, outcome, _ in ended:
@@ -159,7 +165,7 @@ class Outbox:
             return
         if ack:  # XACK and ZREM repeat harmlessly if a lost reply makes this run twice
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xack(keys.REQUEST_STREAM, keys.WORKER_GROUP, held.entry_id)
+                pipe.xack(held.stream, keys.WORKER_GROUP, held.entry_id)
                 if outcome is not None:
                     for in_flight in keys.IN_FLIGHT_SETS:
                         pipe.zrem(in_flight, rid)

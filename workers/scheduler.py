@@ -32,15 +32,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.block_keys import chain_hash, salted_root
 from shared.ir import Request
-from workers.blocks import ROOT, BlockPool, chain_hash
-
-
-def salted_root(salt: str) -> bytes:
-    """The key "before" a request's first block: ROOT, or one of the salt's own (ingest.parsers.cache_salt), so no
-    block of a salted request ever matches a block of another salt."""
-    return chain_hash(ROOT, (), b"cache salt\n" + salt.encode()) if salt else ROOT
-
+from workers.blocks import BlockPool
 
 INTERACTIVE_PRIORITY = 0  # a request's priority unless it says (shared.ir.Request); batch lines run at --batch-priority (10)
 

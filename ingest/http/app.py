@@ -47,6 +47,7 @@ from ingest.http.responses_compact import CompactionRoutes, open_compactions
 from ingest.http.responses_store import Saver
 from ingest.http.responses_ws import responses_socket
 from ingest.http.resume_routes import Followers, ResponseRoutes, recording, resume_choices, resume_stream
+from ingest.http.routing import Router
 from ingest.http.surfaces import Surface, load_protocol_modules, surfaces
 from ingest.http.tokenizing import Tokenizing
 from ingest.parsers import anthropic_messages, tokenize
@@ -122,6 +123,7 @@ class Api:
         self.quota = storage.Quota.from_settings(settings, margin_s=LIFETIME_MARGIN_S)  # per-key storage (ingest.http.storage)
         self._making_room: dict[str, asyncio.Task[None]] = {}  # owner → its eviction in progress
         self.metrics = Metrics(self.redis, heartbeat_ttl=settings.heartbeat_ttl)
+        self.router = Router(self.redis, settings)
         self.followers = Followers()  # background responses being saved
         self._relaxations_logged: set[str] = set()
         self.tokenizing = Tokenizing(settings, renderer)  # prompt rendering off the event loop
@@ -209,7 +211,10 @@ class Api:
         """Admit (queue depth) and XADD every part of a request (`encoded`: their records), or refuse before anything is queued."""
         try:
             admission = Admission(self.settings.max_queue, self.settings.request_timeout, self.quota)
-            stored = await admit_and_submit(self.redis, parts, admission, origin=Origin(owner, client), encoded=encoded)
+            route = await self.router.route(parts[0])  # every part alike: n choices share their prompt
+            self.metrics.routing.labels(route.decision).inc()
+            self.metrics.routed_cached_tokens.inc(route.cached_tokens)
+            stored = await admit_and_submit(self.redis, parts, admission, origin=Origin(owner, client), encoded=encoded, stream=route.stream)
             if stored < 0:
                 raise ApiError(
                     f"The server is at its queue limit ({self.settings.max_queue} requests); retry shortly.",

@@ -69,9 +69,11 @@ class ClusterFigures:
     inflight: int = 0
     dead_letters: int = 0
     gateways: tuple[tuple[str, str, bool], ...] = ()  # (worker, upstream, healthy) of each live gateway worker
+    per_worker: tuple[tuple[str, dict[str, int]], ...] = ()  # (worker, its _PER_WORKER figures) of each live worker
 
 
 _GATEWAY_FIELDS = ["upstream", "upstream_healthy"]
+_PER_WORKER = ["routed_queue", "index_size"]  # read per worker beside _WORKER_FIELDS (routing: ingest.http.routing)
 _WORKER_FIELDS = [
     "running",
     "waiting",
@@ -94,7 +96,7 @@ async def read_cluster(redis: Redis, *, heartbeat_ttl: float) -> ClusterFigures:
         alive: list[bytes] = await redis.zrangebyscore(keys.WORKERS_ALIVE, time.time() - heartbeat_ttl, "+inf")  # type: ignore[assignment]
         async with redis.pipeline(transaction=False) as pipe:
             for worker in alive:
-                pipe.hmget(keys.worker_info(_text(worker)), [*_WORKER_FIELDS, *_GATEWAY_FIELDS])
+                pipe.hmget(keys.worker_info(_text(worker)), [*_WORKER_FIELDS, *_GATEWAY_FIELDS, *_PER_WORKER])
             pipe.zcard(keys.INFLIGHT)
             pipe.zcard(keys.INFLIGHT_BATCH)
             pipe.xlen(keys.DEAD_LETTER)
@@ -106,8 +108,10 @@ async def read_cluster(redis: Redis, *, heartbeat_ttl: float) -> ClusterFigures:
     sums = [0] * len(_WORKER_FIELDS)
     live = 0
     gateways = []
+    per_worker = []
+    n = len(_WORKER_FIELDS)
     for worker, row in zip(alive, hashes, strict=True):
-        values, (upstream, healthy) = row[: len(_WORKER_FIELDS)], row[len(_WORKER_FIELDS) :]
+        values, (upstream, healthy), own = row[:n], row[n : n + 2], row[n + 2 :]
         if all(v is None for v in row):
             continue  # the hash expired between the two reads
         live += 1
@@ -115,8 +119,18 @@ async def read_cluster(redis: Redis, *, heartbeat_ttl: float) -> ClusterFigures:
             sums[i] += _int(v)
         if upstream is not None:
             gateways.append((_text(worker), _text(upstream), healthy == b"1"))
+        mine = dict(zip(_WORKER_FIELDS, (_int(v) for v in values), strict=True)) | dict(zip(_PER_WORKER, (_int(v) for v in own), strict=True))
+        per_worker.append((_text(worker), mine))
     figures = dict(zip(_WORKER_FIELDS, sums, strict=True))
-    return ClusterFigures(redis_up=True, workers=live, inflight=max(0, _int(inflight)), dead_letters=int(dead or 0), gateways=tuple(gateways), **figures)
+    return ClusterFigures(
+        redis_up=True,
+        workers=live,
+        inflight=max(0, _int(inflight)),
+        dead_letters=int(dead or 0),
+        gateways=tuple(gateways),
+        per_worker=tuple(per_worker),
+        **figures,
+    )
 
 
 class LoopHistogram(Collector):
@@ -179,6 +193,19 @@ class ClusterCollector(Collector):
         for worker, upstream, healthy in f.gateways:
             health.add_metric([worker, upstream], 1 if healthy else 0)
         yield health
+        yield from _per_worker(f.per_worker)
+
+
+def _per_worker(rows: tuple[tuple[str, dict[str, int]], ...]) -> Iterable[Metric]:
+    """Each live worker's load, cache hit rate and routing index (what prefix routing weighs: ingest.http.routing)."""
+    queue = GaugeMetricFamily("met_worker_queue", "Requests a worker runs, holds waiting, or has routed to it unread.", labels=["worker"])
+    hits = GaugeMetricFamily("met_worker_prefix_cache_hit_rate", "Share of a worker's looked-up prompt tokens found in its prefix cache.", labels=["worker"])
+    index = GaugeMetricFamily("met_routing_index_blocks", "Block keys in a worker's routing index (its prefix cache, as API nodes see it).", labels=["worker"])
+    for worker, f in rows:
+        queue.add_metric([worker], f["running"] + f["waiting"] + f["routed_queue"])
+        hits.add_metric([worker], f["prefix_cache_hits"] / f["prefix_cache_queries"] if f["prefix_cache_queries"] else 0.0)
+        index.add_metric([worker], f["index_size"])
+    yield from (queue, hits, index)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -197,6 +224,10 @@ class Metrics:
         self.prompt_tokens = Counter("met_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("met_generation_tokens", "Generated tokens of finished requests.", registry=r)
         self.http_errors = Counter("met_http_errors", "HTTP error responses by status.", ["status"], registry=r)
+        self.routing = Counter(
+            "met_routing_decisions", "Where this node sent requests (ingest.http.routing): routed, or the shared queue and why.", ["decision"], registry=r
+        )
+        self.routed_cached_tokens = Counter("met_routing_cached_tokens", "Prompt tokens the chosen worker held cached, by its index, of routed requests.", registry=r)
         self.stored_evicted = Counter(
             "met_stored_evicted", "Stored request records and responses dropped early for a key past --max-stored-mb-per-key.", ["kind"], registry=r
         )

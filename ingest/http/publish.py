@@ -31,23 +31,38 @@ class Origin:
     client: str = ""
 
 
-async def submit(redis: Redis, request: Request, *, owner: str = ANONYMOUS, client: str = "") -> None:
+async def submit(redis: Redis, request: Request, *, owner: str = ANONYMOUS, client: str = "", stream: str = keys.REQUEST_STREAM) -> None:
     """Record the request (IR, meta, index), create its empty delta stream (so that workers' NOMKSTREAM
     writes can never recreate an expired one), then XADD it (never MAXLEN: accepted work is never trimmed).
 
     On one Redis a non-transactional pipeline keeps that order. On a cluster these keys live in
     different slots and redis-py sends each node's share concurrently, so the request's own keys are
-    written first (one slot, one script) and the global ones after (bus.connect)."""
+    written first (one slot, one script) and the global ones after (bus.connect).
+
+    `stream`: the request stream it goes on, the shared one or a worker's routed one (ingest.http.routing);
+    a routed stream that no longer exists (its worker left and it was emptied) is never recreated
+    (NOMKSTREAM): the request goes on the shared stream instead."""
     if is_cluster(redis):
         encoded = encode_request(request)
         await _record(redis, request, encoded, owner, client)
         async with redis.pipeline(transaction=False) as pipe:
-            _enqueue(pipe, request, encoded)
+            pipe.zadd(keys.REQUEST_INDEX, {request.id: time.time()})
             await pipe.execute()
+        await _xadd(redis, request, encoded, stream)
         return
     async with redis.pipeline(transaction=False) as pipe:
-        _queue(pipe, request, owner, client)
+        encoded = _queue(pipe, request, owner, client, enqueue=stream == keys.REQUEST_STREAM)
         await pipe.execute()
+    if stream != keys.REQUEST_STREAM:
+        await _xadd(redis, request, encoded, stream)
+
+
+async def _xadd(redis: Redis, request: Request, encoded: bytes, stream: str) -> None:
+    """XADD the request to `stream`, or to the shared stream when `stream` is a routed one that is gone."""
+    entry = request_entry(request, encoded)
+    if stream != keys.REQUEST_STREAM and await redis.xadd(stream, entry, nomkstream=True) is not None:
+        return
+    await redis.xadd(keys.REQUEST_STREAM, entry)
 
 
 async def submit_batch_line(
@@ -102,7 +117,8 @@ async def owner_of(redis: Redis, request_id: str) -> str | None:
     return bytes(raw).decode() if raw is not None else None
 
 
-def _queue(pipe: Pipeline, request: Request, owner: str, client: str = "") -> None:
+def _queue(pipe: Pipeline, request: Request, owner: str, client: str = "", *, enqueue: bool = True) -> bytes:
+    """Queue the request's writes on `pipe` (the XADD to the shared stream last, unless not `enqueue`); its record."""
     encoded = encode_request(request)
     now = time.time()
     deltas = keys.delta_stream(request.id)
@@ -112,7 +128,9 @@ def _queue(pipe: Pipeline, request: Request, owner: str, client: str = "") -> No
     pipe.xadd(deltas, STREAM_MARKER, id="0-1")
     pipe.xtrim(deltas, maxlen=0, approximate=False)
     pipe.zadd(keys.REQUEST_INDEX, {request.id: now})
-    pipe.xadd(keys.REQUEST_STREAM, request_entry(request, encoded))
+    if enqueue:
+        pipe.xadd(keys.REQUEST_STREAM, request_entry(request, encoded))
+    return encoded
 
 
 # The request's own keys, one slot (cluster path): KEYS ir, meta, deltas; ARGV encoded IR ('' = not
@@ -135,7 +153,7 @@ async def _record(redis: Redis, request: Request, encoded: bytes, owner: str, cl
 
 
 def _enqueue(pipe: Any, request: Request, encoded: bytes) -> None:
-    """The global half of a submit (cluster path): the index and the request stream."""
+    """The global half of a submit (cluster path): the index and the shared request stream."""
     pipe.zadd(keys.REQUEST_INDEX, {request.id: time.time()})
     pipe.xadd(keys.REQUEST_STREAM, request_entry(request, encoded))
 
@@ -160,18 +178,19 @@ async def admit(redis: Redis, request_ids: list[str], limit: int, *, request_tim
 
 # Admission and submission in one call (a single server: the keys of every part and the global ones may
 # be named together). KEYS: inflight, index, request stream, the owner's storage ledger (index, sizes:
-# ingest.http.storage), then per part ir, meta, deltas. ARGV: limit, stale before, now, owner, client, ledger
+# ingest.http.storage), the stream the parts go on (the request stream, or a worker's routed stream: if that
+# one is gone, NOMKSTREAM fails and they go on the request stream), then per part ir, meta, deltas. ARGV: limit, stale before, now, owner, client, ledger
 # keep ('': no ledger), record lifetime, then per part id, encoded IR, protocol, model, endpoint. As `admit`,
 # then for each part what `_queue` does, in its order, and its record into the ledger; -1 (nothing
 # written) when the queue is full, else the owner's stored bytes (0 with no ledger).
 _ADMIT_AND_SUBMIT = storage.LEDGER_LUA + f"""
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[2])
-local parts = (#KEYS - 5) / 3
+local parts = (#KEYS - 6) / 3
 if redis.call('ZCARD', KEYS[1]) + parts > tonumber(ARGV[1]) then return -1 end
 local now, owner, client = ARGV[3], ARGV[4], ARGV[5]
 local entries = {{}}
 for p = 0, parts - 1 do
-  local ir, meta, deltas = KEYS[6 + p * 3], KEYS[7 + p * 3], KEYS[8 + p * 3]
+  local ir, meta, deltas = KEYS[7 + p * 3], KEYS[8 + p * 3], KEYS[9 + p * 3]
   local a = 8 + p * 5
   local id, encoded = ARGV[a], ARGV[a + 1]
   redis.call('ZADD', KEYS[1], now, id)
@@ -182,7 +201,11 @@ for p = 0, parts - 1 do
     redis.call('XTRIM', deltas, 'MAXLEN', 0)
   end
   redis.call('ZADD', KEYS[2], now, id)
-  redis.call('XADD', KEYS[3], '*', 'v', '{VERSION}', '{ID_FIELD}', id, '{REQUEST_FIELD}', encoded)
+  local queued = false
+  if KEYS[6] ~= KEYS[3] then
+    queued = redis.call('XADD', KEYS[6], 'NOMKSTREAM', '*', 'v', '{VERSION}', '{ID_FIELD}', id, '{REQUEST_FIELD}', encoded)
+  end
+  if not queued then redis.call('XADD', KEYS[3], '*', 'v', '{VERSION}', '{ID_FIELD}', id, '{REQUEST_FIELD}', encoded) end
   entries[#entries + 1] = '{storage.RECORD}' .. id
   entries[#entries + 1] = string.len(encoded)
   entries[#entries + 1] = tonumber(now) + tonumber(ARGV[7])
@@ -203,14 +226,20 @@ class Admission:
 
 
 async def admit_and_submit(
-    redis: Redis, parts: list[Request], admission: Admission, *, origin: Origin | None = None, encoded: list[bytes] | None = None
+    redis: Redis,
+    parts: list[Request],
+    admission: Admission,
+    *,
+    origin: Origin | None = None,
+    encoded: list[bytes] | None = None,
+    stream: str = keys.REQUEST_STREAM,
 ) -> int:
     """`admit` every part and `submit` each, or nothing when the queue is full (-1). One round trip and
     one atomic script on a single server (the API node's per-request Redis work: before, a script and a
     six-command pipeline); on a cluster, whose keys hash apart, `admit` then `submit_all`. `encoded`: the
     parts' records when the caller has them already. With a quota (its cap set) each part's record goes
     into the owner's storage ledger (ingest.http.storage) and the owner's stored bytes are returned (else 0):
-    the caller makes room when they pass the cap."""
+    the caller makes room when they pass the cap. `stream`: where the parts go (`submit`)."""
     owner, client = (origin.owner, origin.client) if origin else (ANONYMOUS, "")
     records = encoded or [encode_request(p) for p in parts]
     limit, request_timeout, quota = admission.limit, admission.request_timeout, admission.quota
@@ -218,7 +247,7 @@ async def admit_and_submit(
     if is_cluster(redis):
         if not await admit(redis, [p.id for p in parts], limit, request_timeout=request_timeout):
             return -1
-        await submit_all(redis, parts, owner=owner, client=client)
+        await submit_all(redis, parts, owner=owner, client=client, stream=stream)
         if not ledger:
             return 0
         assert quota is not None
@@ -229,7 +258,7 @@ async def admit_and_submit(
         except RedisError:
             return 0
     now = time.time()
-    script_keys = [keys.INFLIGHT, keys.REQUEST_INDEX, keys.REQUEST_STREAM, keys.stored_index(owner), keys.stored_sizes(owner)]
+    script_keys = [keys.INFLIGHT, keys.REQUEST_INDEX, keys.REQUEST_STREAM, keys.stored_index(owner), keys.stored_sizes(owner), stream]
     args: list[Any] = [limit, now - request_timeout - LIFETIME_MARGIN_S, now, owner, client]
     args += (quota.keep_s, quota.record_s) if ledger and quota is not None else ("", 0)
     for part, record in zip(parts, records, strict=True):
@@ -244,13 +273,13 @@ async def release(redis: Redis, request_ids: list[str]) -> None:
         await redis.zrem(keys.INFLIGHT, *request_ids)
 
 
-async def submit_all(redis: Redis, parts: list[Request], *, owner: str = ANONYMOUS, client: str = "") -> None:
+async def submit_all(redis: Redis, parts: list[Request], *, owner: str = ANONYMOUS, client: str = "", stream: str = keys.REQUEST_STREAM) -> None:
     """`submit` each admitted part; on a Redis error give back the places of the parts not tried (best
     effort: what a failing Redis keeps, the sweep finds), and raise. The part that failed keeps its place:
     it may have been queued (a lost reply), and if not, the sweep removes it (its request never appears)."""
     for i, part in enumerate(parts):
         try:
-            await submit(redis, part, owner=owner, client=client)
+            await submit(redis, part, owner=owner, client=client, stream=stream)
         except RedisError:
             with contextlib.suppress(RedisError):
                 await release(redis, [p.id for p in parts[i + 1 :]])
