@@ -25,7 +25,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Sparkline, Static
 
 from bus.connect import connect
-from cli.top_snapshot import RequestDetail, Snapshot, ThroughputHistory, cancel, take_request_detail, take_snapshot
+from cli.top_snapshot import RequestDetail, Snapshot, ThroughputHistory, WorkerView, cancel, take_request_detail, take_snapshot
 from shared.redact import redact_url
 from shared.settings import Settings
 
@@ -35,9 +35,21 @@ REDIS_TIMEOUT_S = 5.0  # a Redis that stops answering shows as unreachable inste
 # The worker id is `<host>-<pid>-<hex>`, so host and pid need no columns of their own. Both tables are
 # built to fit a 140-column terminal: free-text cells are cut to CAPS, and the columns are rebuilt on
 # every refresh (a DataTable column only ever widens, so one long value would otherwise keep it wide).
-WORKER_COLUMNS = ("worker", "model", "device", "run/wait", "claimed", "KV tokens/upstream", "prefill/s", "decode/s", "heartbeat", "state")
+WORKER_COLUMNS = (
+    "worker",
+    "model",
+    "device",
+    "run/wait",
+    "claimed",
+    "routing",
+    "KV tokens/upstream",
+    "prefill/s",
+    "decode/s",
+    "heartbeat",
+    "state",
+)
 REQUEST_COLUMNS = ("request", "status", "protocol", "model", "worker", "age", "tokens", "tok/s", "client")
-CAPS = {"worker": 28, "model": 22, "device": 8, "client": 21, "request": 26, "upstream": 32}
+CAPS = {"worker": 24, "model": 16, "device": 8, "client": 21, "request": 26, "upstream": 32}
 
 
 def fit(value: str, column: str) -> str:
@@ -267,7 +279,7 @@ class TopApp(App[None]):
                 if not w.upstream_healthy
                 else Text("alive", style="green")
             )
-            row = (fit(w.id, "worker"), fit(w.model, "model"), fit(w.device, "device"), f"{w.running}/{w.waiting}", str(w.claimed), kv)
+            row = (fit(w.id, "worker"), fit(w.model, "model"), fit(w.device, "device"), f"{w.running}/{w.waiting}", str(w.claimed), routing_cell(w), kv)
             table.add_row(*row, f"{w.prefill_tps:.1f}", f"{w.decode_tps:.1f}", f"{fmt_age(w.heartbeat_age)} ago", state, key=w.id)
 
     def render_requests(self, snap: Snapshot) -> None:
@@ -319,6 +331,19 @@ class TopApp(App[None]):
             self.notify(f"could not cancel {request_id}: {type(exc).__name__}", severity="error")
             return
         self.notify(f"cancel requested: {request_id}")
+
+
+def routing_cell(w: WorkerView) -> str:
+    """Prefix routing's column (README "Routing"): claims off its routed stream / the shared one (+ taken over from
+    gone workers' routed streams; routed to it and not read yet in brackets), its prefix cache's hit rate, and
+    `i` the block keys in its routing index: `12/3 +1 (2) 84% i640`."""
+    cell = f"{w.routed_claims}/{w.shared_claims}"
+    if w.adopted_claims:
+        cell += f" +{w.adopted_claims}"
+    if w.routed_queue:
+        cell += f" ({w.routed_queue})"
+    rate = w.cache_hit_rate
+    return f"{cell} {'-' if rate is None else f'{100 * rate:.0f}%'} i{w.index_size}"
 
 
 def _reset(table: DataTable[Any], columns: tuple[str, ...]) -> None:

@@ -59,6 +59,19 @@ class WorkerView:
     draining: bool  # stopping: claims nothing new, finishing what it holds
     upstream: str = ""  # a gateway worker's upstream (workers/gateway.py); "" for a model worker
     upstream_healthy: bool = True  # a gateway worker: its upstream answered the last health probe
+    # prefix routing (ingest.http.routing): requests claimed off its own routed stream, the shared one, and other
+    # (gone) workers' routed streams; its prefix cache's hit rate; its routing index's size; routed to it, unread
+    routed_claims: int = 0
+    shared_claims: int = 0
+    adopted_claims: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    index_size: int = 0
+    routed_queue: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -261,6 +274,13 @@ def _worker(
         draining=h.get("draining", "0") not in ("0", ""),
         upstream=h.get("upstream", ""),
         upstream_healthy=h.get("upstream_healthy", "1") == "1",
+        routed_claims=_int(h, "routed_claims"),
+        shared_claims=_int(h, "shared_claims"),
+        adopted_claims=_int(h, "adopted_claims"),
+        prefix_cache_queries=_int(h, "prefix_cache_queries"),
+        prefix_cache_hits=_int(h, "prefix_cache_hits"),
+        index_size=_int(h, "index_size"),
+        routed_queue=_int(h, "routed_queue"),
     )
 
 

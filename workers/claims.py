@@ -137,6 +137,7 @@ class ClaimLoop(Outbox, Generic[E]):
         self.own_stream = keys.routed_stream(worker_id)  # what API nodes route to this worker (ingest.http.routing)
         self.kv_index = KVIndex(worker_id, ttl_s=settings.heartbeat_ttl)  # what its cache holds, for them
         self.routed_queue = 0  # entries of its own stream not read yet (at the last heartbeat)
+        self.claims_by_source = dict.fromkeys(("routed_claims", "shared_claims", "adopted_claims"), 0)  # heartbeat, `met top`
 
     async def ensure_groups(self) -> None:
         """The consumer group on the shared stream and on this worker's own; the routing index's snapshot."""
@@ -392,6 +393,7 @@ class ClaimLoop(Outbox, Generic[E]):
                 log.warning("request %s: reclaimed an entry this worker still runs; carrying on with attempt %d", request.id, self.held[request.id].attempt)
                 continue
             fresh.append((claimed, request))
+            self._count_claim(claimed.stream)
         if not fresh:
             return
         records = await self.recorded_and_flags([request.id for _, request in fresh])
@@ -413,6 +415,10 @@ class ClaimLoop(Outbox, Generic[E]):
             self.held[request.id] = Held(claimed.entry_id, attempt, stream=claimed.stream)
             emissions += await self._start_one(claimed, request, recorded, flag)
         await self.publish(emissions)
+
+    def _count_claim(self, stream: str) -> None:
+        source = "shared" if stream == keys.REQUEST_STREAM else "routed" if stream == self.own_stream else "adopted"
+        self.claims_by_source[f"{source}_claims"] += 1
 
     async def _start_one(self, claimed: leases.Claimed, request: Request, recorded: list[StreamDelta], flag: Any) -> list[Emission]:
         """Hand one claimed request (its attempt begun) to the engine; its first emissions."""
@@ -505,6 +511,7 @@ class ClaimLoop(Outbox, Generic[E]):
             "stale_writes": self.stale_total,
             "redis_outages": self.redis_outages,
             "routed_queue": self.routed_queue,
+            **self.claims_by_source,
             "index_size": self.kv_index.size,
             **self.phases.figures(),
         }

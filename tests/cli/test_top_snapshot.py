@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
+from cli.top import routing_cell
 from cli.top_snapshot import ThroughputHistory, cancel, resolve_redis_url, take_request_detail, take_snapshot
 from shared import keys
 from shared.codec import encode_delta, encode_request
@@ -200,3 +201,18 @@ async def test_batches_in_progress_are_in_the_snapshot_with_their_progress_and_s
     assert f"{doc['id']}  openai  validating  2/5 done" in problems_text(snap).plain
     await redis.srem(keys.BATCHES_ACTIVE, doc["id"])  # ended
     assert (await take_snapshot(redis, heartbeat_ttl=TTL)).batches == ()
+
+
+async def test_each_worker_shows_where_its_claims_came_from_its_cache_hit_rate_and_its_routing_index(redis: Redis) -> None:
+    now = time.time()
+    figures = {"routed_claims": 7, "shared_claims": 3, "adopted_claims": 2, "prefix_cache_queries": 400, "prefix_cache_hits": 300}
+    await add_worker(redis, "w-routed", heartbeat=now, index_size=128, routed_queue=1, **figures)
+    await add_worker(redis, "w-cold", heartbeat=now)
+
+    by_id = {w.id: w for w in (await take_snapshot(redis, heartbeat_ttl=TTL)).workers}
+
+    routed, cold = by_id["w-routed"], by_id["w-cold"]
+    assert (routed.routed_claims, routed.shared_claims, routed.adopted_claims, routed.index_size, routed.routed_queue) == (7, 3, 2, 128, 1)
+    assert routed.cache_hit_rate == 0.75 and cold.cache_hit_rate is None
+    assert routing_cell(routed) == "7/3 +2 (1) 75% i128"
+    assert routing_cell(cold) == "0/0 - i0"
