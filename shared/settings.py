@@ -175,7 +175,7 @@ class Settings:
         "prefix",
         API,
         "Where a request goes: 'prefix' routes it to the worker whose prefix cache holds most of its prompt, weighed "
-        "against each worker's queue (with two or more workers; see README 'Routing'); 'shared' lets whichever worker asks first take it.",
+        "against each worker's queue (with two or more workers; docs/deployment.md#routing); 'shared' lets whichever worker asks first take it.",
     )
     routing_min_overlap: int = setting(256, API, "Prompt tokens a worker must hold cached for a request to be routed to it (else: the shared queue).")
     routing_queue_cost: int = setting(
