@@ -196,8 +196,10 @@ class ClaimLoop(Outbox, Generic[E]):
                     await self.check_cancels()
             except RedisError as exc:
                 self._lost(exc)
+        ended = False
         if self.engine.has_work() or self.claims_on_own_task:  # (then the idle loop waits in the step)
             emissions = await self.run_step()
+            ended = any(e.terminal for e in emissions)
             with phases.cpu("write"):
                 self.outbox.extend(self.coalesce.take(emissions))
         elif not self.redis_up():
@@ -205,15 +207,13 @@ class ClaimLoop(Outbox, Generic[E]):
         if self.redis_up():
             try:
                 with phases.cpu("write"):
+                    # the routing index first, and at once when a request ended: its client's next turn may come as
+                    # soon as it reads the end, and must find this worker's blocks in the index (ingest.http.routing)
+                    self.kv_index.note(self.index_changes())
+                    await self.kv_index.flush(self.redis, force=ended, load=self.load())
                     await self.publish([])
                 with phases.cpu("periodic"):
                     await self.periodic()
-            except RedisError as exc:
-                self._lost(exc)
-        if self.redis_up():
-            try:
-                self.kv_index.note(self.index_changes())
-                await self.kv_index.flush(self.redis)
             except RedisError as exc:
                 self._lost(exc)
 
@@ -317,6 +317,10 @@ class ClaimLoop(Outbox, Generic[E]):
     def index_snapshot(self) -> list[bytes]:
         """Every block key the routing index should hold now (called where no step runs)."""
         return []
+
+    def load(self) -> tuple[int, int]:
+        """Requests running and waiting now, for routing (from the figures the step handed over)."""
+        return int(self.figures.get("running", 0)), int(self.figures.get("waiting", 0))
 
     def _every(self, name: str, seconds: float) -> bool:
         now = time.monotonic()
@@ -511,6 +515,7 @@ class ClaimLoop(Outbox, Generic[E]):
             "stale_writes": self.stale_total,
             "redis_outages": self.redis_outages,
             "routed_queue": self.routed_queue,
+            "load_at": time.time(),
             **self.claims_by_source,
             "index_size": self.kv_index.size,
             **self.phases.figures(),

@@ -393,6 +393,9 @@ class GatewayLoop(ClaimLoop[Gateway]):
     def index_changes(self) -> dict[bytes, bool]:
         return self.prompt_keys.take_journal()
 
+    def load(self) -> tuple[int, int]:
+        return len(self.engine.active_ids()), 0
+
     async def periodic(self) -> None:
         await super().periodic()
         if (self._probe is None or self._probe.done()) and self._every("probe", PROBE_EVERY_S):

@@ -42,6 +42,8 @@ class KVIndex:
 
     def __init__(self, worker_id: str, *, ttl_s: float) -> None:
         self.key = keys.kv_index(worker_id)
+        self.info_key = keys.worker_info(worker_id)
+        self.load: tuple[int, int] | None = None  # (running, waiting) as last written
         self.ttl_s = max(1, int(ttl_s) + 1)
         self.pending: dict[bytes, bool] = {}  # index key -> present, not yet written
         self.snapshot: list[bytes] | None = None  # a full replacement, not yet written
@@ -56,13 +58,16 @@ class KVIndex:
         self.snapshot = [index_key(k) for k in cached]
         self.pending.clear()
 
-    async def flush(self, redis: Redis, *, force: bool = False) -> None:
-        """Write what changed (at most every FLUSH_EVERY_S unless `force`). On a Redis error the changes stay
+    async def flush(self, redis: Redis, *, force: bool = False, load: tuple[int, int] | None = None) -> None:
+        """Write what changed (at most every FLUSH_EVERY_S unless `force`), and the worker's `load` (running,
+        waiting) with the time it was read, `load_at`, when it changed: fresher than the heartbeat's, which a
+        router would otherwise read as a finished request still running. On a Redis error the changes stay
         pending and the error propagates; the caller asks for a snapshot once Redis is back."""
         now = time.monotonic()
         if not force and now < self._due:
             return
-        if self.snapshot is None and not self.pending:
+        new_load = load is not None and load != self.load
+        if self.snapshot is None and not self.pending and not new_load:
             return
         self._due = now + FLUSH_EVERY_S
         snapshot, pending = self.snapshot, self.pending
@@ -77,11 +82,15 @@ class KVIndex:
                 pipe.sadd(self.key, *added[i : i + 1000])
             for i in range(0, len(gone), 1000):
                 pipe.srem(self.key, *gone[i : i + 1000])
+            if new_load and load is not None:
+                pipe.hset(self.info_key, mapping={"running": load[0], "waiting": load[1], "load_at": time.time()})
             pipe.expire(self.key, self.ttl_s)
             pipe.scard(self.key)
             replies = await pipe.execute()
         self.size = int(replies[-1])
         self.snapshot, self.pending = None, {}
+        if new_load:
+            self.load = load
 
     async def keep_alive(self, redis: Redis) -> None:
         """With the heartbeat: the index lives as long as the worker does."""

@@ -9,8 +9,9 @@ cache-aware policy are the models):
 
     cost(w) = (prompt tokens - tokens w holds cached) + --routing-queue-cost × queue(w)
 
-`queue(w)`: the requests w runs and holds waiting, and those routed to it not read yet (its heartbeat
-figures), plus the ones this node routed to it since that heartbeat. The cheapest worker gets the request,
+`queue(w)`: the requests w runs and holds waiting (written as they change, with the routing index: a
+heartbeat's would show a request that just ended still running), those routed to it not read yet (its
+heartbeat), plus the ones this node routed to it since it wrote them. The cheapest worker gets the request,
 on its own stream (shared.keys.routed_stream), except:
 - no worker holds `--routing-min-overlap` tokens of it (a first turn): the shared stream, whose consumer
   group hands it to whichever worker asks first (a free one);
@@ -45,7 +46,7 @@ from shared.settings import Settings
 log = logging.getLogger(__name__)
 REFRESH_S = 0.25  # how stale the worker table may be (one pipelined read per refresh)
 MAX_KEYS = 4096  # prompt blocks looked up at most (64k tokens at 16 a block)
-_FIELDS = ["routable", "draining", "block_size", "max_running", "running", "waiting", "routed_queue", "heartbeat"]
+_FIELDS = ["routable", "draining", "block_size", "max_running", "running", "waiting", "routed_queue", "load_at"]
 DECISIONS = ("routed", "no_overlap", "busy", "single", "off", "error")
 
 
@@ -56,8 +57,8 @@ class Candidate:
     worker: str
     block_size: int
     max_running: int
-    queue: int  # running + waiting + routed-not-read, at `heartbeat`
-    heartbeat: float
+    queue: int  # running + waiting + routed-not-read, at `load_at`
+    load_at: float  # when the worker wrote them (its heartbeat, or a step that changed them: workers.routed.KVIndex)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,11 +117,11 @@ class Router:
         return Route(keys.routed_stream(chosen.worker), chosen.worker, "routed", overlaps[best])
 
     def queue_of(self, candidate: Candidate) -> int:
-        """Its queue at its heartbeat, plus what this node routed to it since."""
+        """Its queue when it last wrote it, plus what this node routed to it since."""
         mine = self._mine.get(candidate.worker)
         if not mine:
             return candidate.queue
-        while mine and mine[0] <= candidate.heartbeat:
+        while mine and mine[0] <= candidate.load_at:
             mine.pop(0)
         return candidate.queue + len(mine)
 
@@ -140,11 +141,11 @@ class Router:
                 rows = await pipe.execute()
         found = []
         for worker, row in zip(workers, rows, strict=True):
-            routable, draining, block_size, max_running, running, waiting, routed_queue, heartbeat = (_num(v) for v in row)
+            routable, draining, block_size, max_running, running, waiting, routed_queue, load_at = (_num(v) for v in row)
             if routable != 1 or draining or block_size <= 0:
                 continue
             queue = int(running + waiting + routed_queue)
-            found.append(Candidate(worker, int(block_size), max(1, int(max_running)), queue, heartbeat))
+            found.append(Candidate(worker, int(block_size), max(1, int(max_running)), queue, load_at))
         live = {c.worker for c in found}
         for gone in [w for w in self._mine if w not in live]:
             del self._mine[gone]

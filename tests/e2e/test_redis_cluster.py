@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import openai
@@ -149,6 +150,29 @@ def test_a_batch_runs_to_the_end_on_a_redis_cluster(deployment: ClusterDeploymen
     assert sorted(r["custom_id"] for r in results) == ["c0", "c1", "c2"]
     assert all(r["response"]["status_code"] == 200 for r in results)
     assert int(deployment.client().get(keys.INFLIGHT) or 0) == 0
+
+
+def test_each_conversation_is_routed_to_the_worker_holding_its_prefix_through_the_cluster(deployment: ClusterDeployment) -> None:
+    """Prefix routing on a cluster: the routing index sets and the routed streams (in the request stream's slot,
+    read with it in one XREADGROUP) work across masters; every second turn finds its first turn's worker."""
+    r = deployment.client()
+    with openai.OpenAI(base_url=f"{deployment.api.base_url}/v1", api_key="x", max_retries=0, timeout=180) as api:
+        for n in range(3):
+            system = f"Conversation {n}. " + " ".join(f"Rule {i}: answer plainly and keep item {i * (n + 3)} in mind." for i in range(60))
+            messages: list[Any] = [{"role": "system", "content": system}, {"role": "user", "content": "Say hello."}]
+            first = api.chat.completions.create(model="m", messages=messages, max_tokens=8)
+            messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "And goodbye?"}]
+            second = api.chat.completions.create(model="m", messages=messages, max_tokens=8)
+            workers = [r.hget(keys.request_meta(c.id.removeprefix("chatcmpl-")), "worker") for c in (first, second)]
+            assert workers[0] is not None and workers[0] == workers[1], (n, workers)
+            assert second.usage is not None and second.usage.prompt_tokens_details is not None
+            assert (second.usage.prompt_tokens_details.cached_tokens or 0) >= 256
+    routed = 0
+    end = time.monotonic() + 10
+    while routed < 3 and time.monotonic() < end:  # the claims by source reach the heartbeat within a second
+        routed = sum(int(r.hget(keys.worker_info(w.decode()), "routed_claims") or 0) for w in r.zrange(keys.WORKERS_ALIVE, 0, -1))
+        time.sleep(0.2)
+    assert routed >= 3
 
 
 def test_a_worker_killed_mid_stream_is_resumed_by_the_other_through_the_cluster(deployment: ClusterDeployment) -> None:
