@@ -196,10 +196,10 @@ class ClaimLoop(Outbox, Generic[E]):
                     await self.check_cancels()
             except RedisError as exc:
                 self._lost(exc)
-        ended = False
+        ended: set[str] = set()
         if self.engine.has_work() or self.claims_on_own_task:  # (then the idle loop waits in the step)
             emissions = await self.run_step()
-            ended = any(e.terminal for e in emissions)
+            ended = {e.request_id for e in emissions if e.terminal}
             with phases.cpu("write"):
                 self.outbox.extend(self.coalesce.take(emissions))
         elif not self.redis_up():
@@ -210,7 +210,7 @@ class ClaimLoop(Outbox, Generic[E]):
                     # the routing index first, and at once when a request ended: its client's next turn may come as
                     # soon as it reads the end, and must find this worker's blocks in the index (ingest.http.routing)
                     self.kv_index.note(self.index_changes())
-                    await self.kv_index.flush(self.redis, force=ended, load=self.load())
+                    await self.kv_index.flush(self.redis, force=bool(ended), load=self.load(ended))
                     await self.publish([])
                 with phases.cpu("periodic"):
                     await self.periodic()
@@ -318,8 +318,9 @@ class ClaimLoop(Outbox, Generic[E]):
         """Every block key the routing index should hold now (called where no step runs)."""
         return []
 
-    def load(self) -> tuple[int, int]:
-        """Requests running and waiting now, for routing (from the figures the step handed over)."""
+    def load(self, ended: set[str]) -> tuple[int, int]:
+        """Requests running and waiting now, for routing (from the figures the step handed over), without those
+        that `ended` in the step just run."""
         return int(self.figures.get("running", 0)), int(self.figures.get("waiting", 0))
 
     def _every(self, name: str, seconds: float) -> bool:

@@ -393,8 +393,8 @@ class GatewayLoop(ClaimLoop[Gateway]):
     def index_changes(self) -> dict[bytes, bool]:
         return self.prompt_keys.take_journal()
 
-    def load(self) -> tuple[int, int]:
-        return len(self.engine.active_ids()), 0
+    def load(self, ended: set[str]) -> tuple[int, int]:
+        return len(set(self.engine.active_ids()) - ended), 0  # (a task that queued its end is still listed until it returns)
 
     async def periodic(self) -> None:
         await super().periodic()

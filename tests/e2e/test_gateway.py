@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
+import openai
 import pytest
+import redis
 from typer.testing import CliRunner
 
 from cli.embedded_redis import free_port
@@ -110,6 +114,35 @@ def test_openai_responses_through_the_gateway(gateway: LiveServer) -> None:
 
 def test_what_the_upstream_cannot_express_is_refused_in_each_protocols_shape(gateway: LiveServer) -> None:
     checks.check_refused_before_any_sse_header(gateway)
+
+
+def test_with_two_gateway_workers_each_conversation_follows_the_upstream_that_served_its_first_turn(
+    upstream: MetUpstream, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """llama.cpp and the like publish no KV events: a gateway worker's routing index is the block keys of the prompts it
+    sent (workers.routed.PromptKeys), so a second turn goes to the worker, and so the upstream, that served the first."""
+    key_file = tmp_path_factory.mktemp("secrets2") / "upstream.key"
+    key_file.write_text(UPSTREAM_KEY + "\n")
+    args = ["--upstream", upstream.url, "--upstream-api-key-file", str(key_file), "--workers", "2"]
+    server = start_server(tmp_path_factory.mktemp("two-gateways"), *args, workers_ready=2)
+    try:
+        r = redis.Redis.from_url(server.redis_url)
+        served = []
+        with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120) as api:
+            model = api.models.list().data[0].id
+            for n in range(4):
+                system = f"Conversation {n}. " + " ".join(f"Rule {i}: answer plainly and keep item {i * (n + 3)} in mind." for i in range(60))
+                messages: list[Any] = [{"role": "system", "content": system}, {"role": "user", "content": "Say hello."}]
+                first = api.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+                messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "And goodbye?"}]
+                second = api.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+                served.append([r.hget(keys.request_meta(c.id.removeprefix("chatcmpl-")), "worker") for c in (first, second)])
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        r.close()
+    finally:
+        stop_server(server)
+    assert all(first is not None and first == second for first, second in served), served
+    assert 'met_routing_decisions_total{decision="routed"} 4.0' in metrics
 
 
 def test_a_gateway_requests_dump_re_encodes_to_the_bytes_its_client_received(gateway: LiveServer, tmp_path: Path) -> None:
