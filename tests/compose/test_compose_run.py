@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import anthropic
 import httpx
@@ -188,6 +189,23 @@ def test_scale_api_to_two_and_the_proxy_uses_both(stack: Compose) -> None:
         return all(" status=" in container_logs(cid) for cid in apis)  # each replica logged a finished request
 
     wait_for("both API replicas to answer through the proxy", both_serve, 300, stack.logs)
+
+
+def test_each_conversation_follows_its_prefix_to_one_worker_whichever_api_replica_takes_a_turn(stack: Compose) -> None:
+    """Prefix routing across API replicas (their routing reads the workers' indexes in Redis, so it does not matter which
+    replica the proxy picks for a turn) and worker containers (`--scale worker-cpu=2`)."""
+    r = stack.redis()
+    with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=300) as api:
+        for n in range(3):
+            system = f"Conversation {n}. " + " ".join(f"Rule {i}: answer plainly and keep item {i * (n + 3)} in mind." for i in range(60))
+            messages: list[Any] = [{"role": "system", "content": system}, {"role": "user", "content": "Say hello."}]
+            first = api.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8)
+            messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "And goodbye?"}]
+            second = api.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8)
+            workers = [r.hget(keys.request_meta(c.id.removeprefix("chatcmpl-")), "worker") for c in (first, second)]
+            assert workers[0] and workers[0] == workers[1], (n, workers)
+            assert second.usage is not None and second.usage.prompt_tokens_details is not None
+            assert (second.usage.prompt_tokens_details.cached_tokens or 0) >= 256
 
 
 def container_logs(cid: str) -> str:
