@@ -10,6 +10,9 @@ the linear layers are library GEMMs, and two of them do not keep it by themselve
   (`tests/workers/test_kernels.py`). MKL's own conditional numerical reproducibility fixes that:
   `MKL_CBWR=AUTO,STRICT` (read once, at MKL's first call, so it is set when this package is imported;
   an operator's own value is kept). Its cost: a one-row float32 GEMV 0.13 → 0.25 ms, 16+ rows the same.
+  It is not enough on an AMD EPYC (AVX2, session 45): 1–3 rows still gave other sums than the same rows
+  among 700, whatever `MKL_CBWR` said, so float32 weights are probed like bf16 ones (below) and such
+  calls padded to 4 rows.
 - **oneDNN's AMX bf16 GEMM** (Intel Sapphire Rapids and later): a call of more than 32 rows runs the AMX
   tile kernel, whose sums differ from the ≤ 32-row kernel's and with the call's row count (a call of a
   fixed row count gives any row the same bits wherever it sits and whatever the others hold), and on
@@ -52,17 +55,18 @@ ENABLED = True  # `--row-invariant` (default); the runner sets it from the setti
 
 Calls = tuple[int, int | None]  # (at least, at most) rows per bf16 GEMM call: fewer are padded with zero rows, more are cut
 ANY: Calls = (1, None)
-_FOUND: dict[tuple[int, int], Calls] = {}
+_FOUND: dict[tuple[int, int, str], Calls] = {}  # (k, n, "bf16" | "f32") → calls
+BF16, F32 = "bf16", "f32"
 
 
-def _probe(k: int, n: int) -> Calls:
-    if (k, n) not in _FOUND:
-        _FOUND[k, n] = _measure(k, n)
-    return _FOUND[k, n]
+def _probe(k: int, n: int, kind: str) -> Calls:
+    if (k, n, kind) not in _FOUND:
+        _FOUND[k, n, kind] = _measure(k, n, kind)
+    return _FOUND[k, n, kind]
 
 
-def _measure(k: int, n: int) -> Calls:
-    """The call sizes that give every row of a bf16 GEMM of a [k → n] weight one result, whatever rows
+def _measure(k: int, n: int, kind: str = BF16) -> Calls:
+    """The call sizes that give every row of a GEMM of a [k → n] weight (bf16 or float32) one result, whatever rows
     share its call: rows padded with zeros up to `lo` (on AVX-512 BF16 a one-row call of a 1536-wide
     input took another kernel than two rows), calls cut at `hi` (AMX: the tile kernel past 32 rows).
     Per shape: oneDNN blocks the reduction by shape. The numbers are random: the kernel is chosen by
@@ -70,9 +74,10 @@ def _measure(k: int, n: int) -> Calls:
     import torch
     import torch.nn.functional as F
 
+    dtype = torch.bfloat16 if kind == BF16 else torch.float32
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-    x = torch.randn(PROBE_MAX, k, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(PROBE_MAX, k, generator=gen).to(dtype)
     alone = {lo: torch.cat([F.linear(F.pad(x[i : i + 1], (0, 0, 0, lo - 1)), weight)[:1] for i in range(PROBE_MAX)]) for lo in FLOORS}
     for hi in (None, *LIMITS):  # fewest cuts first (a cut costs a prefill far more than padding a decode)
         for lo in (f for f in FLOORS if f <= (hi or PROBE_MAX)):
@@ -97,27 +102,29 @@ def _call(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, calls: Ca
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, x [..., k] by a weight [n, k], in calls that give each row its own bits where a bf16 CPU
+    """F.linear, x [..., k] by a weight [n, k], in calls that give each row its own bits where a CPU
     GEMM needs it (`calls_for`): one plain call otherwise. On every projection of every step, so the
     common case is a flag, a dtype and a dict lookup."""
     import torch.nn.functional as F
 
-    calls = calls_for(int(w.shape[1]), int(w.shape[0])) if ENABLED and x.device.type == "cpu" and w.dtype == _bf16() else ANY
+    kind = BF16 if w.dtype == _bf16() else F32 if w.dtype == _f32() else ""
+    calls = calls_for(int(w.shape[1]), int(w.shape[0]), kind) if ENABLED and kind and x.device.type == "cpu" else ANY
     rows = x.numel() // max(1, x.shape[-1])
     if calls == ANY or calls[0] <= rows <= (calls[1] or rows):
         return F.linear(x, w, bias)
     return _call(x.reshape(-1, x.shape[-1]), w, bias, calls).view(*x.shape[:-1], w.shape[0])
 
 
-def calls_for(k: int, n: int) -> Calls:
-    """The rows per bf16 GEMM call of a [k → n] weight on the CPU (`linear`): ANY for no constraint.
-    Only where bf16 is native: elsewhere bf16 rows go the float32 way (`TorchRunner.wide_mode`)."""
-    found = _FOUND.get((k, n))
+def calls_for(k: int, n: int, kind: str = BF16) -> Calls:
+    """The rows per GEMM call of a [k → n] weight of this kind ("bf16" | "f32") on the CPU (`linear`): ANY
+    for no constraint. bf16 only where it is native: elsewhere bf16 rows go the float32 way
+    (`TorchRunner.wide_mode`, padded by `quant.linear` itself)."""
+    found = _FOUND.get((k, n, kind))
     if found is not None:
         return found if ENABLED else ANY
-    if not ENABLED or not native_bf16():
+    if not ENABLED or (kind == BF16 and not native_bf16()):
         return ANY
-    return _probe(k, n)
+    return _probe(k, n, kind)
 
 
 @functools.cache
@@ -135,17 +142,25 @@ def _bf16() -> torch.dtype:
     return torch.bfloat16
 
 
-def probe_all(shapes: list[tuple[int, int]]) -> str:
+@functools.cache
+def _f32() -> torch.dtype:
+    import torch
+
+    return torch.float32
+
+
+def probe_all(shapes: list[tuple[int, int]], kind: str = BF16) -> str:
     """Probe a model's weight shapes up front (the worker, at load: the first step then pays nothing) and
     say what was found (`rows_per_call`)."""
     for k, n in dict.fromkeys(shapes):
-        calls_for(k, n)
+        calls_for(k, n, kind)
     return rows_per_call()
 
 
 def rows_per_call() -> str:
-    """The shapes probed so far and the call sizes found, "KxN: lo..hi" (the worker's report and log)."""
-    return ", ".join(f"{k}x{n}: {_say(v)}" for (k, n), v in _FOUND.items()) or "not probed"
+    """The shapes probed so far and the call sizes found, "KxN: lo..hi" ("f32 KxN" for float32 weights;
+    the worker's report and log)."""
+    return ", ".join(f"{'' if kind == BF16 else kind + ' '}{k}x{n}: {_say(v)}" for (k, n, kind), v in _FOUND.items()) or "not probed"
 
 
 def _say(calls: Calls) -> str:

@@ -60,9 +60,9 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
     ).quantize(settings.quantization)
     runner.batch_invariant = settings.batch_invariant
     kernels.ENABLED = settings.row_invariant
-    if runner.lean is not None and device.type == "cpu" and dtype == torch.bfloat16 and runner.quantization == "none":
-        found = kernels.probe_all(llama.weight_shapes(runner.lean))
-        log.info("kernels: %s CPU, MKL_CBWR=%s, bf16 rows per GEMM call %s (workers.kernels)", kernels.cpu_kind(), os.environ.get("MKL_CBWR"), found)
+    if runner.lean is not None and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and runner.quantization == "none":
+        found = kernels.probe_all(llama.weight_shapes(runner.lean), kernels.BF16 if dtype == torch.bfloat16 else kernels.F32)
+        log.info("kernels: %s CPU, MKL_CBWR=%s, rows per GEMM call %s (workers.kernels)", kernels.cpu_kind(), os.environ.get("MKL_CBWR"), found)
     runner.eos_ids = renderer.info.eos_token_ids  # min_tokens bans these until reached
     runner.tokenizer = renderer.tokenizer  # DRY sequence breakers are tokenized with it
     engine = Engine(
