@@ -89,6 +89,7 @@ class Prepared:
     parts: list[Request]
     encoded: list[bytes]
     relaxed: tuple[str, ...] = ()
+    block_keys: list[bytes] | None = None  # the prompt's block keys for routing (ingest.http.routing), hashed here off the loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +188,8 @@ class Api:
         requests = [self.prepare(r, body) for r in surface.expand(body, request, self.renderer)]
         parts = [part for r in requests for part in fan_out(r)]
         relaxed = () if self.settings.upstream else self.renderer.relaxed_schemas(requests[0])
-        return Prepared(requests[0], parts, check_stored_size(parts, self.settings.max_stored_request_bytes), relaxed)
+        block_keys = self.router.block_keys(parts[0])  # (the parts of a body share their prompt)
+        return Prepared(requests[0], parts, check_stored_size(parts, self.settings.max_stored_request_bytes), relaxed, block_keys)
 
     def relaxation_headers(self, request: Request, relaxed: tuple[str, ...]) -> dict[str, str]:
         """`X-Metrale-Schema-Relaxed` naming what the constraint left out of the request's schemas (and a
@@ -207,11 +209,11 @@ class Api:
         tokens = sum(len(p.prompt_token_ids) + (p.sampling.max_tokens or limit - len(p.prompt_token_ids)) for p in parts)
         return await self.limiter.charge(caller_of(http), tokens=tokens)
 
-    async def publish(self, parts: list[Request], encoded: list[bytes], *, owner: str, client: str = "") -> None:
+    async def publish(self, parts: list[Request], encoded: list[bytes], *, owner: str, client: str = "", block_keys: list[bytes] | None = None) -> None:
         """Admit (queue depth) and XADD every part of a request (`encoded`: their records), or refuse before anything is queued."""
         try:
             admission = Admission(self.settings.max_queue, self.settings.request_timeout, self.quota)
-            route = await self.router.route(parts[0])  # every part alike: n choices share their prompt
+            route = await self.router.route(parts[0], block_keys)  # every part alike: n choices share their prompt
             self.metrics.routing.labels(route.decision).inc()
             self.metrics.routed_cached_tokens.inc(route.cached_tokens)
             stored = await admit_and_submit(self.redis, parts, admission, origin=Origin(owner, client), encoded=encoded, stream=route.stream)
@@ -389,7 +391,7 @@ class Api:
         prepared = await self.tokenizing.run(size, partial(self.prepare_parts, surface, body, request))
         charged = await self.charge(http, prepared.parts)
         try:
-            await self.publish(prepared.parts, prepared.encoded, owner=caller, client=client_of(http))
+            await self.publish(prepared.parts, prepared.encoded, owner=caller, client=client_of(http), block_keys=prepared.block_keys)
         except ApiError:  # refused (the queue is full): it costs the key nothing
             await self.limiter.refund(caller, charged)
             raise
