@@ -158,6 +158,12 @@ class Settings:
         "finishes with length.",
     )
     max_running: int = setting(32, WORKER, "Most sequences a worker decodes together.")
+    threads: int = setting(
+        0,
+        WORKER,
+        "Torch threads a worker computes with (0: torch's default, one per core). Several workers on one machine: "
+        "give each its share of the cores (their thread pools otherwise spin against each other).",
+    )
     max_tokens_per_step: int = setting(512, WORKER, "Prefill + decode tokens one scheduler step may process.")
     # tokens merged into one Content delta before it is written (workers.coalesce; 1: every token at once)
     stream_interval: int = setting(

@@ -502,6 +502,8 @@ class ClaimLoop(Outbox, Generic[E]):
         return replace(emission, delta=Error(message=OPERATOR_CANCEL_MESSAGE, kind=ErrorKind.INTERNAL, attempt=emission.delta.attempt))
 
     async def heartbeat(self) -> None:
+        # the routed queue is read first, so the load this heartbeat writes is this moment's, not the last one's
+        self.routed_queue = await leases.undelivered(self.redis, self.own_stream)
         figures: dict[Any, Any] = {
             **self.info,
             **self.figures,
@@ -530,7 +532,6 @@ class ClaimLoop(Outbox, Generic[E]):
             pipe.zadd(keys.ROUTED_WORKERS, {self.worker_id: now - self.settings.heartbeat_ttl if self.draining else now})
             pipe.expire(self.kv_index.key, self.kv_index.ttl_s)
             await pipe.execute()
-        self.routed_queue = await leases.undelivered(self.redis, self.own_stream)
 
     async def drain(self) -> None:
         """Stop claiming, finish what runs within the drain timeout, hand the rest back, leave."""

@@ -49,6 +49,9 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
     from workers.runner import TorchRunner, load_model, pick_device, pick_dtype
 
     device, dtype = pick_device(settings.device), pick_dtype(settings.dtype)
+    if settings.threads > 0:
+        torch.set_num_threads(settings.threads)
+    log.info("torch threads: %d%s", torch.get_num_threads(), "" if settings.threads > 0 else " (torch's default; --threads)")
     model = load_model(folder, device=device, dtype=dtype)
     runner = TorchRunner(
         model,

@@ -74,3 +74,15 @@ def test_a_flag_value_is_checked_before_the_command_runs() -> None:
     assert not seen
     done = CliRunner().invoke(probe_app(seen), ["--max-running", "many"])
     assert done.exit_code == 2 and "--max-running" in done.output
+
+
+def test_serve_gives_each_of_several_workers_its_share_of_the_cores_unless_threads_is_set() -> None:
+    import os
+
+    from cli.serve import worker_settings
+
+    cores = os.cpu_count() or 1
+    assert worker_settings(Settings(workers=1)).threads == 0  # one worker: torch's default, every core
+    assert worker_settings(Settings(workers=2)).threads == max(1, cores // 2)
+    assert worker_settings(Settings(workers=cores * 4)).threads == 1
+    assert worker_settings(Settings(workers=3, threads=5)).threads == 5
