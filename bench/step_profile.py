@@ -10,7 +10,9 @@ runs them (the engine's own scheduler, runner and text state):
               (the embedded redis-server of `met serve`); a plain XADD, not the worker's fenced Lua
               script, so a lower bound of the real write
 - encode      the API side: each stored delta decoded and turned into OpenAI chat SSE bytes
-Prints the median ms per step of each phase and the decode tok/s the whole step allows.
+Prints the median ms per step of each phase and the decode tok/s the whole step allows. `--draft 0,4,8`:
+each sequence checks k guessed tokens a step (speculative decoding's draft rows, `workers.scheduler.Draft`;
+lean path only) — what a step with k more rows per sequence costs; tok/s then assumes one token a step.
 
 Models: `--model smollm2` (the default model, from the local cache) or random weights of a Llama
 shape (`--random tiny` ≈ 1M parameters for a CPU check, `--random 1b`: hidden 2048, 16 layers,
@@ -21,6 +23,7 @@ shape (`--random tiny` ≈ 1M parameters for a CPU check, `--random 1b`: hidden 
                                  [--impl lean,hf] [--batch 1,8,32] [--prompt-len 64] [--steps 32] [--no-redis]
                                  [--temperature 0.2 --top-p 0.9]  (sampled rows: the sampler phase; default greedy)
                                  [--malloc-default]  (glibc's malloc untuned, unlike the worker)
+                                 [--draft 0,8]  (k guessed rows per sequence: the step cost of speculative decoding)
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ from shared.ir import Message, Protocol, Request, Role, SamplingParams, TextPart
 from shared.settings import Settings
 from workers.engine import Engine
 from workers.main import keep_freed_memory
-from workers.runner import TorchRunner, pick_dtype
+from workers.runner import TorchRunner, _ahead, pick_dtype
+from workers.scheduler import Draft, StepPlan
 
 PHASES = ("forward", "sampler", "detok", "redis", "encode")
 SHAPES = {
@@ -112,10 +116,13 @@ def requests(batch: int, prompt_len: int, steps: int, *, temperature: float = 0.
     return out
 
 
-def profile(loaded: Loaded, *, impl: str, batch: int, args: argparse.Namespace, redis: Any, quantization: str = "none") -> dict[str, float]:
+def profile(loaded: Loaded, *, impl: str, batch: int, args: argparse.Namespace, redis: Any, variant: tuple[str, int] = ("none", 0)) -> dict[str, float]:
+    """`variant`: (quantization, k guessed rows per sequence)."""
+    quantization, draft = variant
     device, dtype = torch.device(args.device), pick_dtype(args.dtype)
     runner = TorchRunner(loaded.model, max_len=4096, kv_budget_mb=args.kv_mb, device=device, dtype=dtype, model_impl=impl).quantize(quantization)
-    engine = Engine(runner, loaded.tokenizer, loaded.info, settings=Settings(max_running=batch, max_tokens_per_step=max(512, batch)))
+    settings = Settings(max_running=batch, max_tokens_per_step=max(512, batch * (draft + 1)), speculative="off")  # drafts: forced below
+    engine = Engine(runner, loaded.tokenizer, loaded.info, settings=settings)
     reqs = requests(batch, args.prompt_len, args.steps, temperature=args.temperature, top_p=args.top_p)
     encoders = {r.id: ChatStreamEncoder(r) for r in reqs}
     for r in reqs:
@@ -129,14 +136,15 @@ def profile(loaded: Loaded, *, impl: str, batch: int, args: argparse.Namespace, 
     for _ in range(args.steps):
         plan = engine.scheduler.schedule()
         assert not plan.prefill and len(plan.decode) == batch
+        plan = _drafted(engine, plan, draft)
         t0 = time.perf_counter()
         rows, logits = runner.forward(plan)
         sync()
         t1 = time.perf_counter()
-        sampled = runner.sample(rows, logits)
+        sampled = runner.sample(rows, logits, _ahead(rows, plan.verify))
         t2 = time.perf_counter()
         engine.scheduler.advance(plan)
-        emissions = [e for s in sampled for e in engine._append(s)]  # the engine's own per-token path
+        emissions = _emissions(engine, plan, sampled)
         t3 = time.perf_counter()
         stored = [(e.request_id, encode_delta(e.delta)) for e in emissions]
         if redis is not None:
@@ -154,6 +162,22 @@ def profile(loaded: Loaded, *, impl: str, batch: int, args: argparse.Namespace, 
     for r in reqs:
         engine.discard(r.id)
     return {p: statistics.median(v) for p, v in times.items()}
+
+
+def _drafted(engine: Engine, plan: StepPlan, draft: int) -> StepPlan:
+    """The decode plan with k guesses per sequence (the prompt's own tokens: mostly wrong, so a step keeps one token)."""
+    if not draft:
+        return plan
+    for seq in plan.decode:
+        assert engine.scheduler._reserve(seq, seq.computed + 1 + draft)
+    return StepPlan(verify=tuple(Draft(seq, tuple(seq.prompt[:draft])) for seq in plan.decode))
+
+
+def _emissions(engine: Engine, plan: StepPlan, sampled: list[Any]) -> list[Any]:
+    """The engine's own per-token path (a draft's: `Engine._verify`)."""
+    if plan.verify:
+        return [e for d in plan.verify for e in engine._verify(d, [s for s in sampled if s.seq is d.seq])]
+    return [e for s in sampled for e in engine._append(s)]
 
 
 def local_redis(enabled: bool) -> tuple[Any, Any]:
@@ -183,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--malloc-default", action="store_true", help="leave glibc's malloc as it is (the worker tunes it: workers.main.keep_freed_memory)")
     parser.add_argument("--no-redis", action="store_true")
+    parser.add_argument("--draft", default="0", help="comma-separated k: guessed rows per sequence a step (speculative decoding; lean only)")
     parser.add_argument("--quantization", default="none", help="comma-separated: none, auto, int4 (workers.quant); a quantized run loads its own copy")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), pick_dtype(args.dtype)
@@ -195,11 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for quantization in args.quantization.split(","):
             for impl in args.impl.split(","):
-                for batch in (int(b) for b in args.batch.split(",")):
+                for batch, draft in ((int(b), int(k)) for b in args.batch.split(",") for k in args.draft.split(",")):
+                    if draft and impl != "lean":
+                        continue
                     model = loaded if quantization == "none" else load(args, device, dtype)  # quantizing rewrites the model's modules
-                    ms = profile(model, impl=impl, batch=batch, args=args, redis=redis, quantization=quantization)
+                    ms = profile(model, impl=impl, batch=batch, args=args, redis=redis, variant=(quantization, draft))
                     total = sum(ms.values())
-                    label = impl if quantization == "none" else f"{impl}+{quantization}"
+                    label = (impl if quantization == "none" else f"{impl}+{quantization}") + (f" k{draft}" if draft else "")
                     print(f"{label:10} {batch:>5} " + " ".join(f"{ms[p]:>11.2f}" for p in PHASES) + f" {total:>9.2f} {batch * 1e3 / total:>8.1f}", flush=True)
     finally:
         if server is not None:

@@ -21,7 +21,7 @@ from cli.dump import DataDirOption as DumpDataDir
 from cli.dump import app as dump_app
 from cli.replay import HELP as REPLAY_HELP
 from shared.redact import is_secret, redact_url
-from shared.settings import CACHE_SALT_POLICIES, QUANTIZATIONS, ROUTINGS, Flag, Settings, flag_of
+from shared.settings import CACHE_SALT_POLICIES, QUANTIZATIONS, ROUTINGS, SPECULATIVE, Flag, Settings, flag_of
 
 app = typer.Typer(
     help="Metrale: an LLM inference server speaking OpenAI Chat Completions, OpenAI Responses, legacy OpenAI Completions and Anthropic Messages.",
@@ -87,6 +87,10 @@ def _settings(**overrides: object) -> Settings:
         raise typer.BadParameter(f"{settings.cache_salt!r}: choose one of {', '.join(CACHE_SALT_POLICIES)}", param_hint="--cache-salt")
     if settings.routing not in ROUTINGS:
         raise typer.BadParameter(f"{settings.routing!r}: choose one of {', '.join(ROUTINGS)}", param_hint="--routing")
+    if settings.speculative not in SPECULATIVE:
+        raise typer.BadParameter(f"{settings.speculative!r}: choose one of {', '.join(SPECULATIVE)}", param_hint="--speculative")
+    if not 1 <= settings.spec_ngram_min <= settings.spec_ngram_max:
+        raise typer.BadParameter(f"{settings.spec_ngram_min}: between 1 and --spec-ngram-max ({settings.spec_ngram_max})", param_hint="--spec-ngram-min")
     if settings.upstream_flavor not in ("vllm", "openai"):
         raise typer.BadParameter(f"{settings.upstream_flavor!r}: use vllm or openai", param_hint="--upstream-flavor")
     if settings.upstream and not settings.upstream.startswith(("http://", "https://")):

@@ -68,6 +68,8 @@ class WorkerView:
     prefix_cache_hits: int = 0
     index_size: int = 0
     routed_queue: int = 0
+    spec_proposed: int = 0  # speculative decoding (workers.speculate): guessed tokens checked, and kept
+    spec_accepted: int = 0
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -281,6 +283,8 @@ def _worker(
         prefix_cache_hits=_int(h, "prefix_cache_hits"),
         index_size=_int(h, "index_size"),
         routed_queue=_int(h, "routed_queue"),
+        spec_proposed=_int(h, "spec_proposed"),
+        spec_accepted=_int(h, "spec_accepted"),
     )
 
 

@@ -209,6 +209,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the prompt's own logprobs, top k per position (None: not asked)
     n: int = 1
     ignore_eos: bool = False
+    speculative: bool = True  # False: this request never checks guessed tokens (workers.speculate); its output is the same either way
 
     @property
     def greedy(self) -> bool:

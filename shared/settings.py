@@ -25,6 +25,7 @@ def default_data_dir(environ: Mapping[str, str]) -> str:
 QUANTIZATIONS = ("none", "int4", "auto")  # --quantization (workers.quant)
 ROUTINGS = ("prefix", "shared")  # --routing (ingest.http.routing)
 CACHE_SALT_POLICIES = ("auto", "per-key", "none")  # --cache-salt (ingest.parsers.cache_salt)
+SPECULATIVE = ("ngram", "off")  # --speculative (workers.speculate)
 
 # The `met` commands a setting is a flag of (every one is also MET_<FIELD>): `serve` runs both roles.
 EVERY = frozenset({"serve", "api", "worker"})
@@ -165,6 +166,18 @@ class Settings:
         "give each its share of the cores (their thread pools otherwise spin against each other).",
     )
     max_tokens_per_step: int = setting(512, WORKER, "Prefill + decode tokens one scheduler step may process.")
+    # model-free speculative decoding (workers.speculate; the scheduler's drafts: workers.scheduler)
+    speculative: str = setting(
+        "ngram",
+        WORKER,
+        "Speculative decoding: ngram (prompt lookup: a sequence's own earlier tokens propose what follows, the model "
+        "checks them in the same step; output unchanged) or off. Only in steps with at most --spec-max-batch decoding "
+        "sequences; a request opts out with \"speculative\": false.",
+    )
+    spec_tokens: int = setting(8, WORKER, "Speculative decoding: most proposed tokens a sequence checks per step.")
+    spec_ngram_max: int = setting(4, WORKER, "Speculative decoding: the longest suffix n-gram looked up in the sequence's earlier tokens.")
+    spec_ngram_min: int = setting(2, WORKER, "Speculative decoding: the shortest suffix n-gram that may propose.")
+    spec_max_batch: int = setting(4, WORKER, "Speculative decoding: a step with more decoding sequences than this speculates for none.")
     # tokens merged into one Content delta before it is written (workers.coalesce; 1: every token at once)
     stream_interval: int = setting(
         1,

@@ -13,7 +13,15 @@ matcher, so recompute needs nothing more. A grammar that does not compile, or a 
 (a dead end), ends that request alone with one `Error` delta; once the grammar is complete the
 request finishes at once (STOP), without spending a step on the EOS the mask would force.
 
-Size (~550 lines): the one owner of a sequence's life (admit, prefill, decode, finish, cancel, resume);
+Speculative decoding (`--speculative ngram`, workers.speculate): the scheduler asks `_propose` for a
+decoding sequence's guesses (prompt lookup over its own tokens; a constrained one's cut where its matcher
+would refuse one), the runner samples every row of the draft, and `_verify` appends the row tokens in
+order through the same `_append` as any token while each confirms the guess after it. So stop strings,
+tool parsers, grammars, reasoning budgets, logprobs and usage see exactly the token sequence decoding one
+at a time gives (greedy or seeded: each row samples as that position would; unseeded: the standard
+rejection rule for a one-token-certain draft, so the distribution is unchanged).
+
+Size (~600 lines): the one owner of a sequence's life (admit, prefill, decode, finish, cancel, resume);
 the scheduler, runner, sampler and text pipeline it drives each live in a module of their own.
 """
 
@@ -54,7 +62,8 @@ from shared.settings import Settings
 from workers.blocks import BlockPool
 from workers.detok import IncrementalDetokenizer, StopMatcher
 from workers.reasoning import Channel, ReasoningSpan
-from workers.scheduler import Sampled, Scheduler, Sequence, StepPlan
+from workers.scheduler import Draft, Sampled, Scheduler, Sequence, StepPlan
+from workers.speculate import NgramIndex, SpecConfig
 from workers.tool_parsers import ToolParser
 from workers.tools import CallCap, RepeatGuard, make_parser
 
@@ -118,6 +127,9 @@ class EngineStats:
     decode_tokens: int = 0
     last_step_s: float = 0.0
     off_schema_calls: int = 0  # generated tool calls whose arguments do not match their tool's whole schema
+    spec_drafts: int = 0  # drafts checked (one per sequence per speculating step)
+    spec_proposed: int = 0  # guessed tokens checked
+    spec_accepted: int = 0  # guessed tokens the model agreed with (kept)
 
 
 class Engine:
@@ -127,7 +139,20 @@ class Engine:
         self.info = info
         pool = BlockPool(runner.num_blocks, block_size=runner.block_size, prefix_cache=settings.prefix_cache)
         salt = getattr(runner, "wide_mode", "off") != "off"  # prompt tokens computed otherwise than generated ones
-        self.scheduler = Scheduler(pool=pool, max_running=settings.max_running, max_tokens_per_step=settings.max_tokens_per_step, salt_outputs=salt)
+        self.spec = SpecConfig(
+            tokens=settings.spec_tokens if settings.speculative == "ngram" and getattr(runner, "verifies", False) else 0,
+            ngram_max=settings.spec_ngram_max,
+            ngram_min=settings.spec_ngram_min,
+            max_batch=settings.spec_max_batch,
+        )
+        self.scheduler = Scheduler(
+            pool=pool,
+            max_running=settings.max_running,
+            max_tokens_per_step=settings.max_tokens_per_step,
+            salt_outputs=salt,
+            proposer=self._propose if self.spec.on else None,
+            spec_max_batch=self.spec.max_batch,
+        )
         self.request_timeout = settings.request_timeout
         self.clock = clock
         self.stats = EngineStats()
@@ -267,6 +292,9 @@ class Engine:
             "running_peak": sched.running_peak,
             "preemptions": sched.preemptions,
             "off_schema_calls": stats.off_schema_calls,
+            "spec_drafts": stats.spec_drafts,
+            "spec_proposed": stats.spec_proposed,
+            "spec_accepted": stats.spec_accepted,
         }
 
     def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> list[Emission]:
@@ -296,11 +324,71 @@ class Engine:
             emissions.extend(self._fail(seq, FAILED_STEP, kind=ErrorKind.INTERNAL) for seq in failed)
         for part, sampled in done:
             self.scheduler.advance(part)
-            for s in sampled:
+            drafts = {id(d.seq): d for d in part.verify}
+            i = 0
+            while i < len(sampled):
+                s = sampled[i]
+                draft = drafts.get(id(s.seq))
+                if draft is not None:
+                    emissions.extend(self._verify(draft, sampled[i : i + draft.rows]))
+                    i += draft.rows
+                    continue
+                i += 1
                 if s.seq.key in self._seqs:
                     emissions.extend(self._append_alone(s))
         self._record(plan, time.perf_counter() - started)
         return emissions
+
+    def _propose(self, seq: Sequence, room: int) -> list[int]:
+        """A decoding sequence's guesses for this step (the scheduler's `Proposer`): none for a request that
+        opted out, whose answer's grammar waits on a reasoning span, or that is sampled under a grammar (its
+        later rows are sampled unmasked: only greedy can confirm a guess there); at most what is left of its
+        max_tokens and the context; for a constrained one, cut where its matcher would refuse a guess."""
+        state: _TextState = seq.state
+        params = seq.request.sampling
+        if not params.speculative or state.deferred_grammar is not None or (seq.grammar is not None and not params.greedy):
+            return []
+        k = min(self.spec.tokens, room, state.max_tokens - len(seq.output) - 1, self.runner.max_len - seq.length - 1)
+        if k <= 0:
+            return []
+        index: NgramIndex | None = seq.spec
+        if index is None:
+            index = seq.spec = NgramIndex(self.spec.ngram_min, self.spec.ngram_max, seq.span(0, seq.length))
+        elif len(index.tokens) < seq.length:
+            index.extend(seq.span(len(index.tokens), seq.length))
+        guesses = index.propose(k)
+        if guesses and seq.grammar is not None:
+            guesses = guesses[: seq.grammar.validate_tokens(guesses)]
+        return guesses
+
+    def _verify(self, draft: Draft, rows: list[Sampled]) -> list[Emission]:
+        """A draft's sampled rows: row i's token is what the sequence samples after its guesses before row
+        i, so it is appended while every earlier row confirmed the guess after it; the first row that
+        does not ends it (its token is the one a plain step would have sampled there). A constrained
+        sequence's later rows ran without its mask: their token counts only where it confirms a guess
+        the matcher allowed. The sequence then moves on by the tokens appended (`advance_draft`)."""
+        seq = draft.seq
+        masked_alone = seq.grammar is not None  # rows past the first ran without the matcher
+        out: list[Emission] = []
+        kept = confirmed = 0
+        for i, s in enumerate(rows):
+            guess = draft.tokens[i] if i < len(draft.tokens) else None
+            if seq.key not in self._seqs or (i and masked_alone and s.token != guess):
+                break
+            out.extend(self._append_alone(s))
+            kept += 1
+            if seq.output[-1] != guess:
+                break
+            confirmed += 1
+            if seq.key not in self._seqs:
+                break
+        stats = self.stats
+        stats.spec_drafts += 1
+        stats.spec_proposed += len(draft.tokens)
+        stats.spec_accepted += confirmed
+        stats.decode_tokens += kept
+        self.scheduler.advance_draft(seq, kept)
+        return out
 
     def _isolate(self, plan: StepPlan, exc: Exception) -> tuple[list[tuple[StepPlan, list[Sampled]]], list[Sequence]]:
         """A step that raised: bisect its sequences, re-running each half, until every failing part is one
@@ -331,10 +419,10 @@ class Engine:
     def _record(self, plan: StepPlan, seconds: float) -> None:
         s = self.stats
         s.steps += 1
-        s.last_batch = len(plan.decode) + len(plan.prefill)
+        s.last_batch = len(plan.decode) + len(plan.prefill) + len(plan.verify)
         s.batch_peak = max(s.batch_peak, s.last_batch)
-        s.decode_tokens += len(plan.decode)
-        s.prefill_tokens += plan.num_tokens - len(plan.decode)
+        s.decode_tokens += len(plan.decode)  # a draft's: what it kept (`_verify`)
+        s.prefill_tokens += plan.prefill_tokens
         s.last_step_s = seconds
 
     def _expire(self) -> list[Emission]:
@@ -535,12 +623,16 @@ def off_schema(schema_text: str, arguments: str) -> str:
 
 
 def _members(plan: StepPlan) -> list[Sequence]:
-    return [*plan.decode, *(c.seq for c in plan.prefill)]
+    return [*plan.decode, *(c.seq for c in plan.prefill), *(d.seq for d in plan.verify)]
 
 
 def _subplan(plan: StepPlan, members: list[Sequence]) -> StepPlan:
     keep = set(map(id, members))
-    return StepPlan(decode=tuple(s for s in plan.decode if id(s) in keep), prefill=tuple(c for c in plan.prefill if id(c.seq) in keep))
+    return StepPlan(
+        decode=tuple(s for s in plan.decode if id(s) in keep),
+        prefill=tuple(c for c in plan.prefill if id(c.seq) in keep),
+        verify=tuple(d for d in plan.verify if id(d.seq) in keep),
+    )
 
 
 def _first_line(message: str) -> str:

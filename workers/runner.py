@@ -39,7 +39,7 @@ from workers import llama, quant
 from workers.blocks import BLOCK_SIZE
 from workers.kv_cache import KVGeometry, PagedKVCache, block_tables, default_budget_mb
 from workers.sampling import SamplerRow, TokenLogprobData, breaker_ids, sample
-from workers.scheduler import PrefillChunk, Sampled, Sequence, StepPlan
+from workers.scheduler import Draft, PrefillChunk, Sampled, Sequence, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -134,18 +134,23 @@ class TorchRunner:
         self._generators.pop(seq.key, None)
         self._breakers.pop(seq.key, None)
 
+    @property
+    def verifies(self) -> bool:
+        """Whether a plan may carry drafts (speculative decoding): the lean path's flattened step only."""
+        return self.lean is not None
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[Sampled]:
         rows, logits = self.forward(plan)
         if not rows:
             return []
-        return self.sample(rows, logits)
+        return self.sample(rows, logits, _ahead(rows, plan.verify)) if plan.verify else self.sample(rows, logits)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[list[Sequence], torch.Tensor]:
         """The step's model work: the sequences that sample, and their logits [R, vocab] float32."""
         if self.lean is not None:
-            if not plan.decode and not plan.prefill:
+            if plan.empty:
                 return [], torch.empty(0)
             batch, rows = step_batch(plan, block_size=self.block_size, pad_block=self.cache.pad_block, device=self.device, wide=self.wide_mode)
             return rows, llama.forward(self.lean, batch, self.cache.keys, self.cache.values).float()
@@ -167,16 +172,28 @@ class TorchRunner:
         return rows, torch.cat(logits).float()  # [B, vocab]
 
     @torch.inference_mode()
-    def sample(self, rows: list[Sequence], logits: torch.Tensor) -> list[Sampled]:
-        result = sample(logits, [self._sampler_row(s) for s in rows])
+    def sample(self, rows: list[Sequence], logits: torch.Tensor, ahead: list[tuple[int, ...]] | None = None) -> list[Sampled]:
+        """One token per row; `ahead`: per row, the guesses of its draft before it (`_ahead`)."""
+        result = sample(logits, [self._sampler_row(s, a) for s, a in zip(rows, ahead or [()] * len(rows), strict=True)])
         if result.mask_s:
             self.mask_s += result.mask_s
             self.masked_steps += 1
             self.masked_rows += sum(s.grammar is not None for s in rows)
         return [_sampled(seq, token, lp) for seq, token, lp in zip(rows, result.tokens, result.logprobs, strict=True)]
 
-    def _sampler_row(self, seq: Sequence) -> SamplerRow:
+    def _sampler_row(self, seq: Sequence, ahead: tuple[int, ...] = ()) -> SamplerRow:
+        """A draft's row after `ahead` guesses samples as the sequence would once it had them: penalties see
+        them as output, a seed draws for that position (its own generator), and a grammar's matcher, which
+        stands before the guesses, is left out (the engine keeps such a row's token only where it confirms
+        a guess the matcher allowed: `Engine._verify`)."""
         params = seq.request.sampling
+        if ahead:
+            output = [*seq.output, *ahead]
+            drawn = None
+            if params.seed is not None:
+                drawn = torch.Generator(device=self.device).manual_seed((params.seed * 1_000_003 + len(output)) % 2**63)
+            breakers = self._breakers.get(seq.key, frozenset())
+            return SamplerRow(params=params, generator=drawn, prompt=seq.prompt, output=output, eos_ids=self.eos_ids, dry_breakers=breakers)
         gen = self._generators.get(seq.key)
         if gen is None and params.seed is not None:
             gen = self._generators[seq.key] = torch.Generator(device=self.device)
@@ -232,7 +249,13 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch
         chunk_spans.append((len(ids), c))
         ids.extend(c.seq.context[c.start : c.end])
         positions.extend(range(c.start, c.end))
-    seqs = [*decode, *(c.seq for c in plan.prefill for _ in range(c.end - c.start))]
+    # a draft is a chunk of generated tokens: its last token and its guesses, every row sampled
+    draft_spans: list[tuple[int, Draft]] = []
+    for d in plan.verify:
+        draft_spans.append((len(ids), d))
+        ids.extend((d.seq.output[-1], *d.tokens))
+        positions.extend(range(d.seq.computed, d.seq.computed + d.rows))
+    seqs = [*decode, *(c.seq for c in plan.prefill for _ in range(c.end - c.start)), *(d.seq for d in plan.verify for _ in range(d.rows))]
     write = [s.blocks[p // block_size] * block_size + p % block_size for s, p in zip(seqs, positions, strict=True)]
     decode_blocks = decode_mask = None
     ends = [p + 1 for p in positions[: len(decode)]]
@@ -247,12 +270,22 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch
         blocks = block_tables([c.seq.blocks], [c.end], width=span // block_size, block_size=block_size, pad_block=pad_block)  # [1, P / block_size]
         mask = torch.arange(span)[None, :] <= torch.arange(c.start, c.end)[:, None]  # [T, P] causal from position start
         chunks.append(llama.Chunk(offset=offset, length=c.end - c.start, end=c.end, blocks=blocks.to(device, non_blocking=True), mask=mask.to(device, non_blocking=True)))
+    for offset, d in draft_spans:
+        start, end = d.seq.computed, d.seq.computed + d.rows
+        span = llama.key_span(end)
+        blocks = block_tables([d.seq.blocks], [end], width=span // block_size, block_size=block_size, pad_block=pad_block)  # [1, P / block_size]
+        mask = torch.arange(span)[None, :] <= torch.arange(start, end)[:, None]  # [rows, P]
+        chunks.append(llama.Chunk(offset=offset, length=d.rows, end=end, blocks=blocks.to(device, non_blocking=True), mask=mask.to(device, non_blocking=True)))
     sample_at = list(range(len(decode))) + [offset + c.end - c.start - 1 for offset, c in chunk_spans if c.completes_prompt]
+    sample_at += [i for offset, d in draft_spans for i in range(offset, offset + d.rows)]
     rows = [] if wide == "off" else [i for offset, c in chunk_spans for i in range(offset, offset + max(0, min(c.end, len(c.seq.prompt)) - c.start))]
     # the generated tokens a chunk computes again (a resumed attempt, a preempted sequence): they were
     # decode rows, bf16 when their sequence ran alone, and stay so
     again = {i for offset, c in chunk_spans for i in range(offset + max(0, len(c.seq.prompt) - c.start), offset + c.end - c.start)}
-    if wide == "auto" and (rows or len(ids) >= WIDE_MIN_ROWS):
+    # a draft's rows are decode rows, wide where the step's are; its guesses do not count towards WIDE_MIN_ROWS,
+    # so a step widens (or not) as it would without them
+    guesses = sum(len(d.tokens) for d in plan.verify)
+    if wide == "auto" and (rows or len(ids) - guesses >= WIDE_MIN_ROWS):
         rows = [i for i in range(len(ids)) if i not in again]
     wide_rows = torch.tensor(rows, dtype=torch.long, device=device) if rows else None
     narrow_rows = None if not rows or len(rows) == len(ids) else torch.tensor(sorted(set(range(len(ids))) - set(rows)), dtype=torch.long, device=device)
@@ -270,7 +303,25 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch
         narrow=narrow_rows,
         wide_head=wide == "auto" and wide_rows is not None and not again.intersection(sample_at),  # "prompt": bf16, row-invariant, whichever row samples
     )
-    return batch, [*decode, *(c.seq for c in plan.prefill if c.completes_prompt)]
+    return batch, [*decode, *(c.seq for c in plan.prefill if c.completes_prompt), *(d.seq for d in plan.verify for _ in range(d.rows))]
+
+
+def _ahead(rows: list[Sequence], verify: tuple[Draft, ...]) -> list[tuple[int, ...]] | None:
+    """Per sampled row, the guesses of its draft before it (a draft's rows come together, in order)."""
+    if not verify:
+        return None
+    drafts = {id(d.seq): d.tokens for d in verify}
+    out: list[tuple[int, ...]] = []
+    for i, seq in enumerate(rows):
+        tokens = drafts.get(id(seq))
+        if tokens is None:
+            out.append(())
+            continue
+        before = 0
+        while i - before - 1 >= 0 and rows[i - before - 1] is seq:
+            before += 1
+        out.append(tokens[:before])
+    return out
 
 
 def _sampled(seq: Sequence, token: int, logprob: TokenLogprobData | None) -> Sampled:

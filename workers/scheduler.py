@@ -16,6 +16,15 @@ Policy (continuous batching):
   prompt tokens otherwise than generated ones: `TorchRunner.wide_mode`) a block holding generated
   tokens is keyed apart from the same token ids as prompt, so a prompt never reads keys/values computed
   another way than its own prefill would compute them.
+- Speculative decoding (`workers.speculate`, `--speculative ngram`): in a step with few decoding sequences
+  (at most `spec.max_batch`), each may carry tokens its proposer guesses as a `Draft`: its last token and
+  the guesses are computed as rows of this step at their positions, every row sampled, so the engine
+  keeps the guesses the model agrees with plus the token after them (`advance_draft`), all in one step.
+  Draft rows come out of what the token budget leaves after the prefill chunks, and take blocks only
+  where the pool has them free (never a preemption). Positions past what was kept hold keys/values of
+  rejected guesses: they sit past `computed`, in no registered block, and the next steps overwrite them
+  before anything reads them (a row reads only positions below its own), so rolling back is moving
+  `computed` alone.
 - Running work gives way in two cases: a decoding sequence needs a block and the pool is exhausted,
   or a waiting request of strictly higher priority (lower value) finds no room. Either way the
   lowest-priority, latest running sequence is preempted — its blocks given back (they stay cached,
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +75,7 @@ class Sequence:
     arrival: int = field(default_factory=lambda: next(_arrivals))
     state: Any = None  # text state owned by the engine (detokenizer, stop matcher)
     grammar: Any = None  # the engine's llguidance matcher, advanced with every output token; None = free
+    spec: Any = None  # the engine's proposer index over prompt + output (workers.speculate.NgramIndex), built on the first draft
     batch_max: int = 0  # largest decode batch this sequence took part in
     preemptions: int = 0
 
@@ -118,22 +129,54 @@ class Sampled:
 
 
 @dataclass(frozen=True, slots=True)
+class Draft:
+    """A decoding sequence checked against guessed tokens in one step: rows for its last token and each
+    guess, at positions `seq.computed` on, every row sampled (the engine keeps what the model agrees with)."""
+
+    seq: Sequence
+    tokens: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens) + 1
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     decode: tuple[Sequence, ...] = ()
     prefill: tuple[PrefillChunk, ...] = ()
+    verify: tuple[Draft, ...] = ()
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.verify
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(c.end - c.start for c in self.prefill)
+        return len(self.decode) + self.prefill_tokens + sum(d.rows for d in self.verify)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(c.end - c.start for c in self.prefill)
+
+
+Proposer = Callable[[Sequence, int], list[int]]  # (sequence, most tokens) → its guesses (workers.engine.Engine._propose)
 
 
 class Scheduler:
-    def __init__(self, *, pool: BlockPool, max_running: int, max_tokens_per_step: int, salt_outputs: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        pool: BlockPool,
+        max_running: int,
+        max_tokens_per_step: int,
+        salt_outputs: bool = False,
+        proposer: Proposer | None = None,
+        spec_max_batch: int = 0,
+    ) -> None:
         self.pool = pool
+        self.proposer = proposer
+        self.spec_max_batch = spec_max_batch
         self.salt_outputs = salt_outputs
         self.max_running = max_running
         self.max_tokens_per_step = max(max_tokens_per_step, self.max_running)
@@ -185,9 +228,31 @@ class Scheduler:
                 budget -= self._chunk(self.running[-1], budget, chunks)
             if decode or chunks or not self.running:
                 self.running_peak = max(self.running_peak, len(self.running))
-                return StepPlan(decode=tuple(_yielding(decode, chunks)), prefill=tuple(chunks))
+                decode = _yielding(decode, chunks)
+                drafts = self._drafts(decode, budget)
+                if drafts:
+                    drafted = {id(d.seq) for d in drafts}
+                    decode = [s for s in decode if id(s) not in drafted]
+                return StepPlan(decode=tuple(decode), prefill=tuple(chunks), verify=tuple(drafts))
             # Every running sequence is mid-prefill and the pool is full: the worst one gives way.
             self._preempt(max(self.running, key=lambda s: s.order))
+
+    def _drafts(self, decode: list[Sequence], budget: int) -> list[Draft]:
+        """The decoding sequences that check guesses this step: only in a step of at most `spec_max_batch`
+        of them, each guess a row out of what the budget leaves, its blocks only from free ones."""
+        if self.proposer is None or not decode or len(decode) > self.spec_max_batch:
+            return []
+        drafts = []
+        for seq in decode:
+            if budget <= 0:
+                break
+            tokens = self.proposer(seq, budget)[:budget]
+            while tokens and not self._reserve(seq, seq.computed + 1 + len(tokens)):
+                tokens = tokens[: max(0, len(seq.blocks) * self.pool.block_size - seq.computed - 1)]  # what the blocks it got hold
+            if tokens:
+                drafts.append(Draft(seq, tuple(tokens)))
+                budget -= len(tokens)
+        return drafts
 
     def _grow_decoders(self) -> list[Sequence]:
         """The sequences that decode this step, each with a block for its next position; when the pool
@@ -247,21 +312,35 @@ class Scheduler:
         return seq.block_keys[:full_blocks]
 
     def advance(self, plan: StepPlan) -> None:
-        """Record what a step computed, and key every block that became full for the prefix cache."""
+        """Record what a step computed, and key every block that became full for the prefix cache. A
+        draft's sequence moves on by what the engine kept of it (`advance_draft`), not here."""
+        width = len(plan.decode) + len(plan.verify)
         for seq in plan.decode:
             seq.computed += 1
-            seq.batch_max = max(seq.batch_max, len(plan.decode))
+            seq.batch_max = max(seq.batch_max, width)
+        for draft in plan.verify:
+            draft.seq.batch_max = max(draft.seq.batch_max, width)
         for chunk in plan.prefill:
             chunk.seq.computed = chunk.end
+        for seq in (*plan.decode, *(c.seq for c in plan.prefill)):
+            self._register(seq)
+
+    def advance_draft(self, seq: Sequence, kept: int) -> None:
+        """A draft's sequence took `kept` tokens this step (its last token's and the kept guesses' keys/values
+        are valid; the rest of its rows' are rolled back by staying past `computed`)."""
+        if seq.status is SeqStatus.RUNNING:
+            seq.computed += kept
+            self._register(seq)
+
+    def _register(self, seq: Sequence) -> None:
         if not self.pool.prefix_cache:
             return
-        for seq in (*plan.decode, *(c.seq for c in plan.prefill)):
-            full = seq.computed // self.pool.block_size
-            if full > seq.registered:
-                keys = self._keys(seq, full)
-                for i in range(seq.registered, full):
-                    self.pool.register(seq.blocks[i], keys[i])
-                seq.registered = full
+        full = seq.computed // self.pool.block_size
+        if full > seq.registered:
+            keys = self._keys(seq, full)
+            for i in range(seq.registered, full):
+                self.pool.register(seq.blocks[i], keys[i])
+            seq.registered = full
 
     def _preempt_for_priority(self) -> None:
         """Make room for each waiting request that outranks the worst running one (recompute later)."""

@@ -66,6 +66,9 @@ class ClusterFigures:
     grammar_compiles: int = 0
     grammar_cache_hits: int = 0
     off_schema_calls: int = 0
+    spec_drafts: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
     inflight: int = 0
     dead_letters: int = 0
     gateways: tuple[tuple[str, str, bool], ...] = ()  # (worker, upstream, healthy) of each live gateway worker
@@ -87,6 +90,9 @@ _WORKER_FIELDS = [
     "grammar_compiles",
     "grammar_cache_hits",
     "off_schema_calls",
+    "spec_drafts",
+    "spec_proposed",
+    "spec_accepted",
 ]
 
 
@@ -185,6 +191,11 @@ class ClusterCollector(Collector):
             "Generated tool calls whose arguments do not match their tool's whole schema (keywords the constraint cannot enforce), summed over live workers.",
             value=f.off_schema_calls,
         )
+        yield CounterMetricFamily("met_spec_decode_num_drafts", "Drafts checked by speculative decoding (one per sequence per step), summed over live workers.", value=f.spec_drafts)
+        yield CounterMetricFamily("met_spec_decode_num_draft_tokens", "Guessed tokens speculative decoding checked, summed over live workers.", value=f.spec_proposed)
+        yield CounterMetricFamily("met_spec_decode_num_accepted_tokens", "Guessed tokens the model agreed with (kept), summed over live workers.", value=f.spec_accepted)
+        rate = f.spec_accepted / f.spec_proposed if f.spec_proposed else 0.0
+        yield _gauge("met_spec_decode_acceptance_rate", "Share of checked guessed tokens that were kept, over live workers' lifetimes.", rate)
         yield _gauge("met_num_requests_inflight", "Accepted requests without a terminal event yet, cluster-wide (what admission limits).", f.inflight)
         yield _gauge("met_dead_letters", "Requests in the dead-letter stream (met:deadletter).", f.dead_letters)
         health = GaugeMetricFamily(

@@ -67,6 +67,7 @@ def parse(body: Any, *, request_id: str, created: float) -> Request:
             stop=f.stop_list(f.array(body["stop_sequences"], "stop_sequences"), "stop_sequences")
             if body.get("stop_sequences") is not None
             else (),
+            speculative=f.boolean(body["speculative"], "speculative") if body.get("speculative") is not None else True,
         ),
         stream=f.boolean(body["stream"], "stream") if body.get("stream") is not None else False,
         tools=tools,

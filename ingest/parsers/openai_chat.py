@@ -135,6 +135,7 @@ def sampling(body: dict[str, Any]) -> SamplingParams:
         top_logprobs=top_logprobs,
         n=n,
         ignore_eos=f.boolean(body["ignore_eos"], "ignore_eos") if body.get("ignore_eos") is not None else False,
+        speculative=f.boolean(body["speculative"], "speculative") if body.get("speculative") is not None else True,
     )
 
 

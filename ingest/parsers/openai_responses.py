@@ -48,7 +48,7 @@ from shared.ir import (
 ROLES = {"user": Role.USER, "assistant": Role.ASSISTANT, "system": Role.SYSTEM, "developer": Role.DEVELOPER}
 TEXT_PARTS = ("input_text", "output_text")
 # Sampling fields the Responses API shares, name for name, with chat (so `sampling()` names them right).
-SHARED_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
+SHARED_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "speculative")
 MAX_ITEMS = 2048
 SUMMARIES = ("auto", "concise", "detailed")
 MAX_TOOLS = 128

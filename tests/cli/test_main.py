@@ -74,6 +74,10 @@ def test_a_flag_value_is_checked_before_the_command_runs() -> None:
     assert not seen
     done = CliRunner().invoke(probe_app(seen), ["--max-running", "many"])
     assert done.exit_code == 2 and "--max-running" in done.output
+    for bad, flag in ((["--speculative", "eagle"], "--speculative"), (["--spec-ngram-min", "5"], "--spec-ngram-min")):
+        done = CliRunner().invoke(probe_app(seen), bad)
+        assert done.exit_code == 2 and flag in done.output, done.output
+        assert not seen
 
 
 def test_serve_gives_each_of_several_workers_its_share_of_the_cores_unless_threads_is_set() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from cli.top import routing_cell
+from cli.top import decode_cell, routing_cell
 from cli.top_snapshot import ThroughputHistory, cancel, resolve_redis_url, take_request_detail, take_snapshot
 from shared import keys
 from shared.codec import encode_delta, encode_request
@@ -216,3 +216,15 @@ async def test_each_worker_shows_where_its_claims_came_from_its_cache_hit_rate_a
     assert routed.cache_hit_rate == 0.75 and cold.cache_hit_rate is None
     assert routing_cell(routed) == "7/3 +2 (1) 75% i128"
     assert routing_cell(cold) == "0/0 - i0"
+
+
+async def test_each_worker_shows_the_share_of_guessed_tokens_speculative_decoding_kept(redis: Redis) -> None:
+    now = time.time()
+    await add_worker(redis, "w-spec", heartbeat=now, decode_tps=41.25, spec_proposed=200, spec_accepted=124)
+    await add_worker(redis, "w-plain", heartbeat=now, decode_tps=12.0)
+
+    by_id = {w.id: w for w in (await take_snapshot(redis, heartbeat_ttl=TTL)).workers}
+
+    assert (by_id["w-spec"].spec_proposed, by_id["w-spec"].spec_accepted) == (200, 124)
+    assert decode_cell(by_id["w-spec"]) == "41.2 s62%"
+    assert decode_cell(by_id["w-plain"]) == "12.0"

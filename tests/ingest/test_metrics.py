@@ -39,8 +39,10 @@ async def test_the_cluster_collector_shows_each_workers_queue_cache_hit_rate_and
     async with redis_db(redis_server, 13) as redis:
         now = time.time()
         for worker, figures in {
-            "w-a": {"running": 2, "waiting": 1, "routed_queue": 1, "prefix_cache_queries": 1000, "prefix_cache_hits": 900, "index_size": 64},
-            "w-b": {"running": 1, "waiting": 0, "routed_queue": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0, "index_size": 0},
+            "w-a": {"running": 2, "waiting": 1, "routed_queue": 1, "prefix_cache_queries": 1000, "prefix_cache_hits": 900, "index_size": 64,
+                    "spec_drafts": 10, "spec_proposed": 60, "spec_accepted": 30},
+            "w-b": {"running": 1, "waiting": 0, "routed_queue": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0, "index_size": 0,
+                    "spec_drafts": 5, "spec_proposed": 20, "spec_accepted": 10},
         }.items():
             await redis.zadd(keys.WORKERS_ALIVE, {worker: now})
             await redis.hset(keys.worker_info(worker), mapping={"heartbeat": now, **figures})
@@ -54,4 +56,6 @@ async def test_the_cluster_collector_shows_each_workers_queue_cache_hit_rate_and
     assert samples['met_worker_queue{worker="w-a"}'] == 4 and samples['met_worker_queue{worker="w-b"}'] == 1
     assert samples['met_worker_prefix_cache_hit_rate{worker="w-a"}'] == 0.9 and samples['met_worker_prefix_cache_hit_rate{worker="w-b"}'] == 0
     assert samples['met_routing_index_blocks{worker="w-a"}'] == 64
+    assert samples["met_spec_decode_num_drafts_total"] == 15 and samples["met_spec_decode_num_draft_tokens_total"] == 80
+    assert samples["met_spec_decode_num_accepted_tokens_total"] == 40 and samples["met_spec_decode_acceptance_rate"] == 0.5
     assert samples['met_routing_decisions_total{decision="routed"}'] == 3 and samples['met_routing_decisions_total{decision="no_overlap"}'] == 1

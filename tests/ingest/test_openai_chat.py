@@ -93,6 +93,7 @@ def test_max_tokens_is_accepted_as_the_legacy_name_and_stop_as_a_list() -> None:
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"top_logprobs": 3}, "top_logprobs"),
+        ({"speculative": "no"}, "speculative"),
     ],
 )
 def test_bad_input_names_the_parameter(fields: dict[str, Any], param: str) -> None:
@@ -124,3 +125,14 @@ def test_the_fields_agent_frameworks_send_are_accepted() -> None:
     assert replace(with_extras, thinking=Thinking()) == parsed()
     framed = parsed(stream=True, stream_options={"include_usage": True}, parallel_tool_calls=False, metadata={"run": "r1"})
     assert (framed.include_usage, framed.parallel_tool_calls, framed.metadata) == (True, False, (("run", "r1"),))
+
+
+def test_a_request_may_opt_out_of_speculative_decoding_on_every_protocol() -> None:
+    from ingest.parsers.anthropic_messages import parse as parse_anthropic
+    from ingest.parsers.openai_responses import parse as parse_responses
+
+    assert parsed().sampling.speculative is True
+    assert parsed(speculative=False).sampling.speculative is False
+    responses = parse_responses({"model": "m", "input": "hi", "speculative": False}, request_id="r", created=0.0)
+    anthropic = parse_anthropic({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "speculative": False}, request_id="r", created=0.0)
+    assert responses.sampling.speculative is False and anthropic.sampling.speculative is False

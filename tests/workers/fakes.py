@@ -61,3 +61,32 @@ def make_request(rid: str, prompt_len: int = 4, *, priority: int = 0, **sampling
         prompt_token_ids=tuple(range(1, prompt_len + 1)),
         priority=priority,
     )
+
+
+WRONG = ord("~") + 1  # what a VerifyingRunner's row predicts after a guess its script disagrees with
+
+
+class VerifyingRunner(ScriptedRunner):
+    """A ScriptedRunner that checks drafts (speculative decoding) as the lean path does: row i of a draft
+    predicts what follows the sequence's output plus the draft's first i guesses, i.e. the script there
+    while every guess so far matched it, else WRONG. Asserts the KV invariant on every decoding row: all
+    but the last token of prompt + output are computed (what was rolled back was moved past)."""
+
+    verifies = True
+
+    def execute(self, plan: StepPlan) -> list[Sampled]:
+        for seq in (*plan.decode, *(d.seq for d in plan.verify)):
+            assert seq.computed == seq.length - 1, (seq.key, seq.computed, seq.length)
+            assert len(seq.blocks) * self.block_size >= seq.computed + 1
+        for d in plan.verify:
+            assert len(d.seq.blocks) * self.block_size >= d.seq.computed + d.rows
+        out = super().execute(replace(plan, verify=()))
+        self.plans[-1] = plan  # recorded as planned, drafts included
+        for d in plan.verify:
+            text = ByteTokenizer().encode(self.script(d.seq))
+            at = len(d.seq.output)
+            for i in range(d.rows):
+                agreed = all(at + j < len(text) and text[at + j] == d.tokens[j] for j in range(i))
+                token = (text[at + i] if at + i < len(text) else EOS) if agreed else WRONG
+                out.append(Sampled(d.seq, token))
+        return out

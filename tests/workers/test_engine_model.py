@@ -145,7 +145,8 @@ def test_a_cached_prefix_gives_the_bf16_logits_of_the_same_prompt_computed_whole
         return rows, out
 
     runner.forward = recording  # type: ignore[method-assign]
-    engine = Engine(runner, renderer.tokenizer, renderer.info, settings=Settings(max_running=4, max_tokens_per_step=512))
+    # one row per token a step (speculative decoding's draft rows would record guesses the model then refused)
+    engine = Engine(runner, renderer.tokenizer, renderer.info, settings=Settings(max_running=4, max_tokens_per_step=512, speculative="off"))
     cached: dict[str, int] = {}
     for rid, text in (("other", "Name a colour."), ("first", "Say hello in French."), ("again", "Say hello in French.")):
         req = Request(id=rid, protocol=Protocol.OPENAI_CHAT, model="m", messages=(Message(role=Role.USER, content=(TextPart(text=text),)),), sampling=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))

@@ -1,6 +1,7 @@
 """The contract (docs/cpu.md, "Exact on every CPU"), in the dtype the server runs (bf16, lean path): a greedy
 request's tokens do not depend on whether its prefix came from the cache, where the step budget cut its
-prompt, or whether it is a resumed attempt — checked on this CPU and under ONEDNN_MAX_CPU_ISA capped at
+prompt, whether it is a resumed attempt, or whether speculative decoding checked guessed tokens in its steps
+(with a stop string, a grammar and seeded sampling too) — checked on this CPU and under ONEDNN_MAX_CPU_ISA capped at
 each lower level it supports, so one AMX machine checks all three kinds. Each level runs in a child
 process (`exactness_probe.py`: oneDNN reads the cap once per process), which also reports which ISA
 oneDNN dispatched to. Plus the two library GEMMs the contract needs help with (`workers.kernels`)."""
@@ -42,6 +43,13 @@ def test_a_greedy_request_gets_the_same_tokens_cold_cached_chunked_and_resumed(i
     assert resumed[0] == cold[0], "a resumed attempt changed the greedy tokens"
     if out["kernels"]["cpu"] != "avx2":  # AVX2: decode rows of a step with others multiply in float32 unless --batch-invariant (docs/cpu.md)
         assert out["batched"][0] == cold[0], "batch-mates changed the greedy tokens"
+    spec = out["speculative"]
+    for way, (off, on) in spec.items():
+        assert on == off, f"speculative decoding changed the tokens ({way})"
+    assert spec["story"][0] == cold[0] and spec["story_resumed"][0] == cold[0]
+    assert len(spec["copy_stop"][0]) < len(spec["copy"][0])  # the stop string did end it early
+    assert out["guesses"]["accepted"] >= 20, out["guesses"]  # guesses were checked and kept, not skipped
+    print(f"speculative: {out['guesses']}")
 
 
 def test_a_bf16_linear_gives_a_row_the_same_bits_among_any_number_of_rows() -> None:

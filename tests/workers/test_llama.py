@@ -71,9 +71,11 @@ def run(
     if record is not None:
         sample = runner.sample
 
-        def recording(rows: list[Sequence], logits: torch.Tensor) -> Any:
-            record.rows.extend(([*s.prompt, *s.output], logits[i].clone()) for i, s in enumerate(rows))
-            return sample(rows, logits)
+        def recording(rows: list[Sequence], logits: torch.Tensor, ahead: list[tuple[int, ...]] | None = None) -> Any:
+            # a speculative draft's row i computes after its first i guesses (workers.runner._ahead): its context has them
+            guesses = ahead or [()] * len(rows)
+            record.rows.extend(([*s.prompt, *s.output, *guesses[i]], logits[i].clone()) for i, s in enumerate(rows))
+            return sample(rows, logits, ahead)
 
         runner.sample = recording  # type: ignore[method-assign]
     engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=8, max_tokens_per_step=step_tokens))
@@ -236,7 +238,7 @@ def test_in_bf16_a_prefix_cache_hit_gives_bit_identical_logits_to_the_full_prefi
         return sample(rows, logits)
 
     runner.sample = recording  # type: ignore[method-assign]
-    engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=4, max_tokens_per_step=256))
+    engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=4, max_tokens_per_step=256, speculative="off"))  # a row a token
     [prompt] = prompts(1, (90,))
     for rid in ("first", "again"):  # the second finds 80 of the 90 prompt tokens cached
         engine.add(prompt_request(rid, prompt, 6))
@@ -265,7 +267,7 @@ def _logits_of_me(arrivals: dict[int, list[Request]], *, batch_invariant: bool =
         return sample(rows, logits)
 
     runner.sample = recording  # type: ignore[method-assign]
-    engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=32, max_tokens_per_step=64))
+    engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=32, max_tokens_per_step=64, speculative="off"))  # a row a token
     with mock.patch.object(llama, "native_bf16", lambda: False):
         for step in range(1000):
             for r in arrivals.get(step, []):
@@ -317,7 +319,7 @@ def test_a_prompt_that_repeats_a_generated_answer_reads_no_block_decoded_in_bf16
             return sample(seqs, logits)
 
         runner.sample = recording  # type: ignore[method-assign]
-        engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=4, max_tokens_per_step=256, prefix_cache=cache))
+        engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=4, max_tokens_per_step=256, prefix_cache=cache, speculative="off"))
         answer: list[int] = []
         engine.add(prompt_request("first", base, 40))
         while engine.has_work():
@@ -431,7 +433,7 @@ def test_the_default_model_in_bf16_gives_identical_logits_whatever_the_step_budg
             return sample(seqs, lg)
 
         runner.sample = recording  # type: ignore[method-assign]
-        engine = Engine(runner, renderer.tokenizer, renderer.info, settings=Settings(max_running=4, max_tokens_per_step=budget, prefix_cache=False))
+        engine = Engine(runner, renderer.tokenizer, renderer.info, settings=Settings(max_running=4, max_tokens_per_step=budget, prefix_cache=False, speculative="off"))
         engine.add(req)
         while engine.has_work():
             engine.step()
