@@ -10,8 +10,8 @@ Systems, one after another on the same requests, each a fresh server as a user s
   has no `--spec-type ngram-simple`, which is llama.cpp's own `llama-server` flag).
 
 Workloads (streamed with the official `openai` SDK, greedy, one request at a time):
-- edit: 8 requests, each a ~1,500-token source file of this repository (a different one each) and "repeat
-  this file with one change"; max_tokens --edit-tokens (384). tokens/s = generated tokens (the text
+- edit: 8 requests, each a ~1,500-token source file of this repository (a different one each) and "write the
+  whole file again, unchanged except that <its first class or function> is renamed"; max_tokens --edit-tokens (384). tokens/s = generated tokens (the text
   re-tokenized with the model's tokenizer, the same count for every system) / seconds from request to
   last chunk, summed over the requests. ours and ours-off must write the same text (greedy is exact).
 - single: bench/workloads.py's `single` (8 × 128 tokens, a 64-token prompt, ignore_eos): ours / ours-off.
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -59,7 +60,8 @@ EDIT_SOURCES = (
     "workers/llama.py",
 )
 EDIT_FILE_TOKENS = 1500
-EDIT_ASK = "Repeat this file exactly as it is, with one change: rename `self` to `me` everywhere. Write only the file.\n\n```python\n{code}```"
+# the phrasing the default model follows (it answers "repeat this file exactly ..." put first with a summary)
+EDIT_ASK = "Here is a file:\n\n```python\n{code}```\n\nWrite the whole file again, unchanged except that `{name}` is renamed `{new}`."
 TARGETS = {"edit": 2.5, "single": 0.95, "uniform": 0.95}
 
 
@@ -86,7 +88,10 @@ def edit_prompts(tokenizer: object) -> list[str]:
             if len(tokenizer.encode("".join([*kept, line]))) > EDIT_FILE_TOKENS:  # type: ignore[attr-defined]
                 break
             kept.append(line)
-        out.append(EDIT_ASK.format(code="".join(kept)))
+        code = "".join(kept)
+        name = re.search(r"^(?:class|def) (\w+)", code, re.MULTILINE)
+        old = name.group(1) if name else "self"
+        out.append(EDIT_ASK.format(code=code, name=old, new=f"{old}2"))
     return out
 
 
