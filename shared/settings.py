@@ -174,7 +174,7 @@ class Settings:
         "checks them in the same step; output unchanged) or off. Only in steps with at most --spec-max-batch decoding "
         "sequences; a request opts out with \"speculative\": false.",
     )
-    spec_tokens: int = setting(8, WORKER, "Speculative decoding: most proposed tokens a sequence checks per step.")
+    spec_tokens: int = setting(16, WORKER, "Speculative decoding: most guessed tokens a step checks, shared among its decoding sequences (one: 16, four: 4 each).")
     spec_ngram_max: int = setting(4, WORKER, "Speculative decoding: the longest suffix n-gram looked up in the sequence's earlier tokens.")
     spec_ngram_min: int = setting(2, WORKER, "Speculative decoding: the shortest suffix n-gram that may propose.")
     spec_max_batch: int = setting(4, WORKER, "Speculative decoding: a step with more decoding sequences than this speculates for none.")

@@ -62,7 +62,7 @@ from shared.settings import Settings
 from workers.blocks import BlockPool
 from workers.detok import IncrementalDetokenizer, StopMatcher
 from workers.reasoning import Channel, ReasoningSpan
-from workers.scheduler import Draft, Sampled, Scheduler, Sequence, StepPlan
+from workers.scheduler import Draft, Sampled, Scheduler, Sequence, Speculation, StepPlan
 from workers.speculate import NgramIndex, SpecConfig
 from workers.tool_parsers import ToolParser
 from workers.tools import CallCap, RepeatGuard, make_parser
@@ -150,8 +150,7 @@ class Engine:
             max_running=settings.max_running,
             max_tokens_per_step=settings.max_tokens_per_step,
             salt_outputs=salt,
-            proposer=self._propose if self.spec.on else None,
-            spec_max_batch=self.spec.max_batch,
+            speculation=Speculation(self._propose, self.spec.max_batch, self.spec.tokens) if self.spec.on else None,
         )
         self.request_timeout = settings.request_timeout
         self.clock = clock

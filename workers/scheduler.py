@@ -163,6 +163,16 @@ class StepPlan:
 Proposer = Callable[[Sequence, int], list[int]]  # (sequence, most tokens) → its guesses (workers.engine.Engine._propose)
 
 
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """Speculative decoding's scheduling: who guesses, in steps of at most `max_batch` decoding sequences,
+    `tokens` guesses a step shared among them."""
+
+    propose: Proposer
+    max_batch: int
+    tokens: int
+
+
 class Scheduler:
     def __init__(
         self,
@@ -171,12 +181,10 @@ class Scheduler:
         max_running: int,
         max_tokens_per_step: int,
         salt_outputs: bool = False,
-        proposer: Proposer | None = None,
-        spec_max_batch: int = 0,
+        speculation: Speculation | None = None,
     ) -> None:
         self.pool = pool
-        self.proposer = proposer
-        self.spec_max_batch = spec_max_batch
+        self.speculation = speculation
         self.salt_outputs = salt_outputs
         self.max_running = max_running
         self.max_tokens_per_step = max(max_tokens_per_step, self.max_running)
@@ -239,14 +247,18 @@ class Scheduler:
 
     def _drafts(self, decode: list[Sequence], budget: int) -> list[Draft]:
         """The decoding sequences that check guesses this step: only in a step of at most `spec_max_batch`
-        of them, each guess a row out of what the budget leaves, its blocks only from free ones."""
-        if self.proposer is None or not decode or len(decode) > self.spec_max_batch:
+        of them, each at most its share of `spec_tokens` (one sequence 16, four 4 each: a wrong guess costs a
+        row, and rows cost more as the batch grows: bench/step_profile.py --draft), each guess a row out of
+        what the budget leaves, its blocks only from free ones."""
+        spec = self.speculation
+        if spec is None or not decode or len(decode) > spec.max_batch:
             return []
+        share = max(1, spec.tokens // len(decode))
         drafts = []
         for seq in decode:
             if budget <= 0:
                 break
-            tokens = self.proposer(seq, budget)[:budget]
+            tokens = spec.propose(seq, min(budget, share))[: min(budget, share)]
             while tokens and not self._reserve(seq, seq.computed + 1 + len(tokens)):
                 tokens = tokens[: max(0, len(seq.blocks) * self.pool.block_size - seq.computed - 1)]  # what the blocks it got hold
             if tokens:

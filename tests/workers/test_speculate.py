@@ -109,6 +109,7 @@ def test_a_request_that_opts_out_or_a_wide_batch_checks_no_draft() -> None:
     out = run(eng, short, *requests)
     for p in runner.plans:
         assert not p.verify or len(p.decode) + len(p.verify) <= 2, p
+        assert all(len(d.tokens) <= 16 // (len(p.decode) + len(p.verify)) for d in p.verify), p  # a share of --spec-tokens each
     assert not any(p.verify for p in runner.plans[:5])  # three decoding: too many
     assert any(p.verify for p in runner.plans)  # once the short one finished, two were few enough
     for r in requests:
