@@ -31,6 +31,9 @@ pytestmark = pytest.mark.e2e
 POISON = "POISON-PILL-7f3a"
 PROMPT = "List the numbers from 1 to 40, separated by commas."
 MAX_TOKENS = 110
+# the streams killed mid-way decode one token a step: speculative decoding can write this list before the kill
+# lands (their text is the same: `reference_text` runs with it)
+ONE_A_STEP = {"speculative": False}
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +77,13 @@ def reference_text(server: LiveServer) -> str:
 
 def stream_openai(server: LiveServer) -> str:
     with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=180) as api:
-        chunks = api.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}], temperature=0, max_tokens=MAX_TOKENS, stream=True)
+        chunks = api.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPT}], temperature=0, max_tokens=MAX_TOKENS, stream=True, extra_body=ONE_A_STEP)
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
 def stream_anthropic(server: LiveServer) -> str:
     with anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0, timeout=180) as claude:
-        kwargs = {"model": "m", "max_tokens": MAX_TOKENS, "messages": [{"role": "user", "content": PROMPT}], "extra_body": {"temperature": 0}}
+        kwargs = {"model": "m", "max_tokens": MAX_TOKENS, "messages": [{"role": "user", "content": PROMPT}], "extra_body": {"temperature": 0, **ONE_A_STEP}}
         with claude.messages.stream(**kwargs) as stream:  # type: ignore[arg-type]
             final = stream.get_final_message()
     return "".join(b.text for b in final.content if b.type == "text")
@@ -89,7 +92,7 @@ def stream_anthropic(server: LiveServer) -> str:
 def stream_responses(server: LiveServer) -> str:
     with (
         openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=180) as api,
-        api.responses.stream(model="m", input=PROMPT, temperature=0, max_output_tokens=MAX_TOKENS) as stream,
+        api.responses.stream(model="m", input=PROMPT, temperature=0, max_output_tokens=MAX_TOKENS, extra_body=ONE_A_STEP) as stream,
     ):
         last = list(stream)[-1]
     return last.response.output_text  # type: ignore[union-attr]
@@ -198,7 +201,7 @@ def test_an_api_node_that_dies_loses_only_its_connections(tmp_path: Path, redis_
     try:
         base = f"http://127.0.0.1:{port}"
         wait_for("the api and a worker", lambda: _ready(base), timeout=180)
-        body = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+        body = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True, **ONE_A_STEP}
         started = time.time()
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
             rid = response.headers["x-request-id"]
