@@ -50,6 +50,7 @@ from cluster import REPO_ROOT, WorkerCounts, metrics, requests_per_worker, runni
 from measure import percentile
 from sessions import Conversations, PlayConfig, Played, build, play
 
+from cli.serve import worker_settings
 from models.files import local_folder
 from shared.settings import Settings
 
@@ -140,7 +141,7 @@ def run_config(name: str, options: Options, conversations: Conversations, root: 
     routing = "shared" if name == "shared" else "prefix"
     workers = 1 if name == "single" else options.workers
     log(f"{name}: starting redis-server, met api --routing {routing}, {workers} × met worker")
-    threads = ("--threads", str(max(1, (os.cpu_count() or 1) // workers))) if workers > 1 else ()
+    threads = ("--threads", str(worker_threads(workers))) if workers > 1 else ()
     with running_cluster(root / name, workers=workers, api_flags=("--routing", routing), worker_flags=threads) as cluster:
         log(f"{name}: ready; playing {conversations.sessions} sessions × {conversations.turns} turns, {options.concurrency} at a time")
         model = str(httpx.get(f"{cluster.base_url}/v1/models", timeout=10).json()["data"][0]["id"])
@@ -207,7 +208,7 @@ def header(options: Options, conversations: dict[str, Conversations]) -> list[st
         f"commit {git('rev-parse', '--short', 'HEAD')}{' (uncommitted changes)' if git('status', '--porcelain', '--', '.', ':!bench') else ''}, "
         f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
         f"CPU: {', '.join(kinds) if kinds else 'AVX2-only'}; {os.cpu_count()} cores; torch {torch.__version__} "
-        f"(one worker: torch's default, {torch.get_num_threads()} threads; {options.workers} workers: --threads {max(1, (os.cpu_count() or 1) // options.workers)} each)",
+        f"(one worker: torch's default, {torch.get_num_threads()} threads; {options.workers} workers: --threads {worker_threads(options.workers)} each)",
         f"workload: {options.sessions} sessions × {options.turns} turns, {options.concurrency} sessions at a time, greedy, max_tokens {options.max_tokens}, "
         f"default model ({MODEL_SPEC})",
     ]
@@ -215,6 +216,11 @@ def header(options: Options, conversations: dict[str, Conversations]) -> list[st
         distinct = len(set(conv.system_prompts))
         lines.append(f"system prompts ({name}): {distinct} distinct, {min(conv.system_tokens)}-{max(conv.system_tokens)} tokens (tokenizer, no template)")
     return lines
+
+
+def worker_threads(workers: int) -> int:
+    """What `met serve --workers N` gives each of its workers (cli.serve.worker_settings)."""
+    return worker_settings(Settings(workers=workers)).threads
 
 
 def log(message: str) -> None:

@@ -141,7 +141,7 @@ def profile(loaded: Loaded, *, impl: str, batch: int, args: argparse.Namespace, 
         rows, logits = runner.forward(plan)
         sync()
         t1 = time.perf_counter()
-        sampled = runner.sample(rows, logits, _ahead(rows, plan.verify))
+        sampled = runner.sample(rows, logits, _ahead(len(rows), plan.verify))
         t2 = time.perf_counter()
         engine.scheduler.advance(plan)
         emissions = _emissions(engine, plan, sampled)

@@ -63,7 +63,7 @@ from workers.blocks import BlockPool
 from workers.detok import IncrementalDetokenizer, StopMatcher
 from workers.reasoning import Channel, ReasoningSpan
 from workers.scheduler import Draft, Sampled, Scheduler, Sequence, Speculation, StepPlan
-from workers.speculate import NgramIndex, SpecConfig
+from workers.speculate import NgramIndex
 from workers.tool_parsers import ToolParser
 from workers.tools import CallCap, RepeatGuard, make_parser
 
@@ -139,18 +139,14 @@ class Engine:
         self.info = info
         pool = BlockPool(runner.num_blocks, block_size=runner.block_size, prefix_cache=settings.prefix_cache)
         salt = getattr(runner, "wide_mode", "off") != "off"  # prompt tokens computed otherwise than generated ones
-        self.spec = SpecConfig(
-            tokens=settings.spec_tokens if settings.speculative == "ngram" and getattr(runner, "verifies", False) else 0,
-            ngram_max=settings.spec_ngram_max,
-            ngram_min=settings.spec_ngram_min,
-            max_batch=settings.spec_max_batch,
-        )
+        speculates = settings.speculative == "ngram" and settings.spec_tokens > 0 and getattr(runner, "verifies", False)
+        self.ngrams = (settings.spec_ngram_min, settings.spec_ngram_max)  # the proposer's n-gram lengths (workers.speculate)
         self.scheduler = Scheduler(
             pool=pool,
             max_running=settings.max_running,
             max_tokens_per_step=settings.max_tokens_per_step,
             salt_outputs=salt,
-            speculation=Speculation(self._propose, self.spec.max_batch, self.spec.tokens) if self.spec.on else None,
+            speculation=Speculation(self._propose, settings.spec_max_batch, settings.spec_tokens) if speculates else None,
         )
         self.request_timeout = settings.request_timeout
         self.clock = clock
@@ -323,18 +319,13 @@ class Engine:
             emissions.extend(self._fail(seq, FAILED_STEP, kind=ErrorKind.INTERNAL) for seq in failed)
         for part, sampled in done:
             self.scheduler.advance(part)
-            drafts = {id(d.seq): d for d in part.verify}
-            i = 0
-            while i < len(sampled):
-                s = sampled[i]
-                draft = drafts.get(id(s.seq))
-                if draft is not None:
-                    emissions.extend(self._verify(draft, sampled[i : i + draft.rows]))
-                    i += draft.rows
-                    continue
-                i += 1
+            plain = len(sampled) - sum(d.rows for d in part.verify)  # drafts' rows come last, each draft's in order
+            for s in sampled[:plain] if part.verify else sampled:
                 if s.seq.key in self._seqs:
                     emissions.extend(self._append_alone(s))
+            for draft in part.verify:
+                emissions.extend(self._verify(draft, sampled[plain : plain + draft.rows]))
+                plain += draft.rows
         self._record(plan, time.perf_counter() - started)
         return emissions
 
@@ -347,12 +338,12 @@ class Engine:
         params = seq.request.sampling
         if not params.speculative or state.deferred_grammar is not None or (seq.grammar is not None and not params.greedy):
             return []
-        k = min(self.spec.tokens, room, state.max_tokens - len(seq.output) - 1, self.runner.max_len - seq.length - 1)
+        k = min(room, state.max_tokens - len(seq.output) - 1, self.runner.max_len - seq.length - 1)
         if k <= 0:
             return []
         index: NgramIndex | None = seq.spec
         if index is None:
-            index = seq.spec = NgramIndex(self.spec.ngram_min, self.spec.ngram_max, seq.span(0, seq.length))
+            index = seq.spec = NgramIndex(*self.ngrams, seq.span(0, seq.length))
         elif len(index.tokens) < seq.length:
             index.extend(seq.span(len(index.tokens), seq.length))
         guesses = index.propose(k)
@@ -379,8 +370,6 @@ class Engine:
             if seq.output[-1] != guess:
                 break
             confirmed += 1
-            if seq.key not in self._seqs:
-                break
         stats = self.stats
         stats.spec_drafts += 1
         stats.spec_proposed += len(draft.tokens)

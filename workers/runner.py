@@ -144,7 +144,7 @@ class TorchRunner:
         rows, logits = self.forward(plan)
         if not rows:
             return []
-        return self.sample(rows, logits, _ahead(rows, plan.verify)) if plan.verify else self.sample(rows, logits)
+        return self.sample(rows, logits, _ahead(len(rows), plan.verify)) if plan.verify else self.sample(rows, logits)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[list[Sequence], torch.Tensor]:
@@ -306,22 +306,11 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch
     return batch, [*decode, *(c.seq for c in plan.prefill if c.completes_prompt), *(d.seq for d in plan.verify for _ in range(d.rows))]
 
 
-def _ahead(rows: list[Sequence], verify: tuple[Draft, ...]) -> list[tuple[int, ...]] | None:
-    """Per sampled row, the guesses of its draft before it (a draft's rows come together, in order)."""
-    if not verify:
-        return None
-    drafts = {id(d.seq): d.tokens for d in verify}
-    out: list[tuple[int, ...]] = []
-    for i, seq in enumerate(rows):
-        tokens = drafts.get(id(seq))
-        if tokens is None:
-            out.append(())
-            continue
-        before = 0
-        while i - before - 1 >= 0 and rows[i - before - 1] is seq:
-            before += 1
-        out.append(tokens[:before])
-    return out
+def _ahead(rows: int, verify: tuple[Draft, ...]) -> list[tuple[int, ...]]:
+    """Per sampled row of `rows`, the guesses of its draft before it: drafts' rows come last, each draft's
+    in order (`step_batch`); the other rows have none."""
+    drafted = [d.tokens[:i] for d in verify for i in range(d.rows)]
+    return [()] * (rows - len(drafted)) + drafted
 
 
 def _sampled(seq: Sequence, token: int, logprob: TokenLogprobData | None) -> Sampled:

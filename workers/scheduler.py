@@ -246,8 +246,8 @@ class Scheduler:
             self._preempt(max(self.running, key=lambda s: s.order))
 
     def _drafts(self, decode: list[Sequence], budget: int) -> list[Draft]:
-        """The decoding sequences that check guesses this step: only in a step of at most `spec_max_batch`
-        of them, each at most its share of `spec_tokens` (one sequence 16, four 4 each: a wrong guess costs a
+        """The decoding sequences that check guesses this step: only in a step of at most `speculation.max_batch`
+        of them, each at most its share of `speculation.tokens` (one sequence 16, four 4 each: a wrong guess costs a
         row, and rows cost more as the batch grows: bench/step_profile.py --draft), each guess a row out of
         what the budget leaves, its blocks only from free ones."""
         spec = self.speculation
@@ -258,7 +258,8 @@ class Scheduler:
         for seq in decode:
             if budget <= 0:
                 break
-            tokens = spec.propose(seq, min(budget, share))[: min(budget, share)]
+            room = min(budget, share)
+            tokens = spec.propose(seq, room)[:room]
             while tokens and not self._reserve(seq, seq.computed + 1 + len(tokens)):
                 tokens = tokens[: max(0, len(seq.blocks) * self.pool.block_size - seq.computed - 1)]  # what the blocks it got hold
             if tokens:

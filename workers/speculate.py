@@ -17,20 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True, slots=True)
-class SpecConfig:
-    """`--speculative`, `--spec-tokens`, `--spec-ngram-max`, `--spec-ngram-min`, `--spec-max-batch` (shared.settings)."""
-
-    tokens: int = 0  # k: proposed tokens per step at most (0: off)
-    ngram_max: int = 4
-    ngram_min: int = 2
-    max_batch: int = 4  # a step with more decoding sequences than this speculates for none of them
-
-    @property
-    def on(self) -> bool:
-        return self.tokens > 0 and 1 <= self.ngram_min <= self.ngram_max
-
-
 @dataclass(slots=True)
 class NgramIndex:
     """The n-grams of one token sequence, n in [lo, hi], each mapped to the end (exclusive) of its latest
