@@ -317,6 +317,18 @@ class Request:
     # `reports_sampling`): shown, never sampled with; a worker resolves with its own defaults.
     reported_sampling: tuple[tuple[str, float], ...] = ()
     cache_salt: str = ""  # prefix-cache isolation: blocks are shared only between equal salts (ingest.parsers.cache_salt)
+    # the LoRA adapter the request's `model` named ("" the base model) and the folder it was registered from
+    # (`met:loras`, ingest.http.loras): a worker loads it from there (workers.lora); a replay or resume keeps both
+    adapter: str = ""
+    adapter_path: str = ""
+
+
+def prefix_salt(request: Request) -> str:
+    """What a request's prefix-cache blocks are salted with (`shared.block_keys.salted_root`): its cache salt
+    and its adapter, whose keys/values differ from the base model's for the same tokens."""
+    if not request.adapter:
+        return request.cache_salt
+    return f"{request.cache_salt}\nadapter {request.adapter} from {request.adapter_path}"
 
 
 def custom_tools(request: Request) -> frozenset[str]:

@@ -178,6 +178,17 @@ class Settings:
     spec_ngram_max: int = setting(4, WORKER, "Speculative decoding: the longest suffix n-gram looked up in the sequence's earlier tokens.")
     spec_ngram_min: int = setting(2, WORKER, "Speculative decoding: the shortest suffix n-gram that may propose.")
     spec_max_batch: int = setting(4, WORKER, "Speculative decoding: a step with more decoding sequences than this speculates for none.")
+    # LoRA adapters: registered in Redis by the API nodes (ingest.http.loras), loaded by workers on first use (workers.lora)
+    lora: str = setting(
+        "",
+        API,
+        "NAME=PATH: serve the LoRA adapter in folder PATH (peft's format: adapter_config.json, adapter_model.safetensors) "
+        "as model NAME; repeat for several. More at runtime: POST /v1/load_lora_adapter.",
+        flag="--lora",
+        repeat=True,
+    )
+    max_loras: int = setting(4, WORKER, "LoRA adapters a worker keeps resident and runs at once (vLLM's --max-loras); requests for others wait.")
+    max_lora_rank: int = setting(64, EVERY, "The largest LoRA rank served: an adapter above it is refused when it is loaded.")
     # tokens merged into one Content delta before it is written (workers.coalesce; 1: every token at once)
     stream_interval: int = setting(
         1,

@@ -147,6 +147,7 @@ class Engine:
             max_tokens_per_step=settings.max_tokens_per_step,
             salt_outputs=salt,
             speculation=Speculation(self._propose, settings.spec_max_batch, settings.spec_tokens) if speculates else None,
+            max_adapters=settings.max_loras,
         )
         self.request_timeout = settings.request_timeout
         self.clock = clock
@@ -214,7 +215,7 @@ class Engine:
                     state.tools.push(replayed)  # so the parser is where it was (its deltas were delivered too)
         state.sealed = state.span is not None and state.span.closed_span
         seq.state = state
-        refused = self._attach_grammar(seq, grammar, answer)
+        refused = self._attach_grammar(seq, grammar, answer) or self._attach_adapter(seq)
         if refused is not None:
             return [Emission(request.id, refused)]
         self._seqs[request.id] = seq
@@ -246,6 +247,14 @@ class Engine:
         else:
             seq.grammar = matcher
         return None
+
+    def _attach_adapter(self, seq: Sequence) -> Error | None:
+        """Hold the LoRA adapter the request names on the runner (`TorchRunner.attach`); an Error if it cannot."""
+        if not seq.request.adapter:
+            return None
+        attach = getattr(self.runner, "attach", None)
+        why = attach(seq) if attach is not None else f"This worker serves no LoRA adapters (the request asks for '{seq.request.adapter}')."
+        return Error(message=why, kind=ErrorKind.INVALID_REQUEST, attempt=seq.attempt) if why is not None else None
 
     def discard(self, request_id: str) -> None:
         """Forget a request without emitting anything (another worker owns it now)."""

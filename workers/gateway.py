@@ -57,7 +57,7 @@ from shared.deltas import (
     Usage,
     is_terminal,
 )
-from shared.ir import Request, apply_defaults
+from shared.ir import Request, apply_defaults, prefix_salt
 from shared.redact import redact_url
 from shared.settings import Settings
 from shared.upstream_chunks import UpstreamStream, refusal
@@ -387,7 +387,7 @@ class GatewayLoop(ClaimLoop[Gateway]):
                 return [Emission(request.id, Error(message=RESUME_MESSAGE, kind=ErrorKind.INTERNAL, attempt=attempt))]
             log.info("request %s: resumed after a gateway worker stopped mid-stream; the upstream continues its %d tokens", request.id, continuing.tokens)
         self.engine.add(request, attempt=attempt, continuing=continuing)
-        self.prompt_keys.served(request.prompt_token_ids, request.cache_salt)
+        self.prompt_keys.served(request.prompt_token_ids, prefix_salt(request))
         return []
 
     def index_changes(self) -> dict[bytes, bool]:

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from workers import lora
 from workers.kernels import native_bf16
 from workers.kv_cache import fresh_blocks, gather, read_index, write_index
 from workers.quant import Weight, linear
@@ -70,6 +71,7 @@ def key_span(length: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Layer:
+    index: int  # its place in the model (a LoRA adapter's pairs are per layer: `workers.lora`)
     input_norm: torch.Tensor  # [hidden]
     qkv: Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim] (Qwen2)
@@ -123,6 +125,7 @@ class StepBatch:
     wide: torch.Tensor | None = None  # [W] rows whose projections multiply in float32 (`_project`); None: no row
     narrow: torch.Tensor | None = None  # [N - W] the other rows, when only some are wide; None: every row is
     wide_head: bool = False  # the lm_head multiplies the sampled rows in float32 too
+    lora: lora.StepRows | None = None  # the rows that run a LoRA adapter, by adapter (`workers.lora`); None: none does
 
 
 def unsupported(model: Any, *, max_len: int) -> str | None:
@@ -166,7 +169,7 @@ def from_hf(model: Any) -> LlamaWeights:
     cfg, inner = model.config, model.model
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layers = []
-    for block in inner.layers:
+    for index, block in enumerate(inner.layers):
         attn, mlp = block.self_attn, block.mlp
         qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], "weight")
         gate_up = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
@@ -174,6 +177,7 @@ def from_hf(model: Any) -> LlamaWeights:
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         layers.append(
             Layer(
+                index=index,
                 input_norm=block.input_layernorm.weight.data,
                 qkv=qkv,
                 qkv_bias=_fuse([attn.q_proj, attn.k_proj, attn.v_proj], "bias"),
@@ -287,8 +291,8 @@ def forward(w: LlamaWeights, batch: StepBatch, k_pools: list[torch.Tensor], v_po
     for layer, k_pool, v_pool in zip(w.layers, k_pools, v_pools, strict=True):
         x = x + _attention(w, layer, rms_norm(x, layer.input_norm, w.eps), batch, access, pools=(k_pool, v_pool))
         h = rms_norm(x, layer.post_norm, w.eps)
-        gate, up = _project(h, layer.gate_up, None, batch).chunk(2, dim=-1)  # [N, intermediate] each
-        x = x + _project(F.silu(gate) * up, layer.down, None, batch)
+        gate, up = _project(h, layer.gate_up, None, batch, lora_at=(layer.index, "gate_up")).chunk(2, dim=-1)  # [N, intermediate] each
+        x = x + _project(F.silu(gate) * up, layer.down, None, batch, lora_at=(layer.index, "down"))
     last = rms_norm(x[batch.sample], w.norm, w.eps)  # [R, hidden]
     return linear(last, w.lm_head, wide=batch.wide_head)  # [R, vocab]
 
@@ -299,16 +303,21 @@ def weight_shapes(w: LlamaWeights) -> list[tuple[int, int]]:
     return [(int(m.shape[1]), int(m.shape[0])) for m in (*dense, w.lm_head)]
 
 
-def _project(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, batch: StepBatch) -> torch.Tensor:
+def _project(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, batch: StepBatch, *, lora_at: tuple[int, str]) -> torch.Tensor:
     """x [N, in] → [N, out]: the rows `batch.wide` names multiply in float32 (`quant.linear(wide=True)`),
-    the others as the weight is stored."""
+    the others as the weight is stored; then the rows that run an adapter add its delta for projection
+    group `lora_at` = (layer, group) (`lora.add_deltas`)."""
     if batch.wide is None or not isinstance(w, torch.Tensor):
-        return linear(x, w, bias)
-    if batch.narrow is None:
-        return linear(x, w, bias, wide=True)
-    y = x.new_empty((x.shape[0], w.shape[0]))
-    y.index_copy_(0, batch.narrow, linear(x.index_select(0, batch.narrow), w, bias))
-    y.index_copy_(0, batch.wide, linear(x.index_select(0, batch.wide), w, bias, wide=True))
+        y = linear(x, w, bias)
+    elif batch.narrow is None:
+        y = linear(x, w, bias, wide=True)
+    else:
+        y = x.new_empty((x.shape[0], w.shape[0]))
+        y.index_copy_(0, batch.narrow, linear(x.index_select(0, batch.narrow), w, bias))
+        y.index_copy_(0, batch.wide, linear(x.index_select(0, batch.wide), w, bias, wide=True))
+    if batch.lora is not None:
+        index, group = lora_at
+        lora.add_deltas(y, x, batch.lora, lambda adapter: adapter.layers[index].get(group))
     return y
 
 
@@ -316,7 +325,7 @@ def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch,
     # h: [N, hidden] → [N, hidden]
     cos, sin = access.rope
     n, d = h.shape[0], w.head_dim
-    qkv = _project(h, layer.qkv, layer.qkv_bias, batch)  # [N, (heads + 2 * kv_heads) * head_dim]
+    qkv = _project(h, layer.qkv, layer.qkv_bias, batch, lora_at=(layer.index, "qkv"))  # [N, (heads + 2 * kv_heads) * head_dim]
     q, k, v = qkv.split((w.heads * d, w.kv_heads * d, w.kv_heads * d), dim=-1)
     q, k, v = q.view(n, w.heads, d), k.view(n, w.kv_heads, d), v.view(n, w.kv_heads, d)
     if layer.q_norm is not None and layer.k_norm is not None:
@@ -335,7 +344,7 @@ def _attention(w: LlamaWeights, layer: Layer, h: torch.Tensor, batch: StepBatch,
         keys, values = (gather(pool, reads.index, reads.pieces) for pool in pools)
         out.append(_chunk_attention(q[c.offset : c.offset + c.length], keys, values, c.mask, hidden=reads.hidden))
     attn = out[0] if len(out) == 1 else torch.cat(out)  # [N, heads, head_dim]
-    return _project(attn.reshape(n, w.heads * d), layer.o, layer.o_bias, batch)
+    return _project(attn.reshape(n, w.heads * d), layer.o, layer.o_bias, batch, lora_at=(layer.index, "o"))
 
 
 def _decode_attention(

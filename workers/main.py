@@ -61,6 +61,7 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         dtype=dtype,
         model_impl=settings.model_impl,
     ).quantize(settings.quantization)
+    runner.enable_adapters(max_loras=settings.max_loras, max_rank=settings.max_lora_rank)  # after quantize: the hf path hooks the modules that run
     runner.batch_invariant = settings.batch_invariant
     kernels.ENABLED = settings.row_invariant
     if runner.lean is not None and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and runner.quantization == "none":

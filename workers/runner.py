@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
 
-from workers import llama, quant
+from workers import llama, lora, quant
 from workers.blocks import BLOCK_SIZE
 from workers.kv_cache import KVGeometry, PagedKVCache, block_tables, default_budget_mb
 from workers.sampling import SamplerRow, TokenLogprobData, breaker_ids, sample
@@ -96,6 +96,9 @@ class TorchRunner:
         self.lean = llama.from_hf(model) if why_not is None else None
         if self.lean is None and device.type == "cpu":
             model.set_attn_implementation("metrale")  # the hf path's attention: `llama.hf_attention`
+        self.adapters: lora.Adapters | None = None  # `enable_adapters`: the resident LoRA adapters
+        self._held: dict[str, lora.Adapter] = {}  # per sequence, its adapter (`attach`)
+        self._hooks: lora.HfHooks | None = None  # the hf path's adapter hooks
         self.quantization = "none"
         self.batch_invariant = False  # `--batch-invariant`: decode rows keep bf16 projections (`wide_mode`); set before the engine is built
         self.widen: bool | None = None  # projections in float32 where `wide_mode` says (None: where bf16 is not native)
@@ -130,9 +133,31 @@ class TorchRunner:
             return "off"
         return "prompt" if self.batch_invariant else "auto"
 
+    def enable_adapters(self, *, max_loras: int, max_rank: int) -> TorchRunner:
+        """Serve LoRA adapters (`workers.lora`): up to `max_loras` resident, each of rank at most `max_rank`;
+        on the hf path through forward hooks on its projections. Before the first step."""
+        self.adapters = lora.Adapters(self.model, max_loras=max_loras, max_rank=max_rank, dtype=self.dtype, device=self.device)
+        if self.lean is None:
+            self._hooks = lora.HfHooks(self.model)
+        return self
+
+    def attach(self, seq: Sequence) -> str | None:
+        """Hold the adapter the sequence's request names (loaded now if it is not resident): None, or why it cannot run."""
+        request = seq.request
+        if self.adapters is None:
+            return f"This worker serves no LoRA adapters (the request asks for '{request.adapter}')."
+        try:
+            self._held[seq.key] = self.adapters.hold(request.adapter, request.adapter_path)
+        except lora.AdapterError as exc:
+            return f"The LoRA adapter '{request.adapter}' cannot be loaded: {exc}"
+        return None
+
     def release(self, seq: Sequence) -> None:
         self._generators.pop(seq.key, None)
         self._breakers.pop(seq.key, None)
+        adapter = self._held.pop(seq.key, None)
+        if adapter is not None and self.adapters is not None:
+            self.adapters.let_go(adapter)
 
     @property
     def verifies(self) -> bool:
@@ -152,7 +177,7 @@ class TorchRunner:
         if self.lean is not None:
             if plan.empty:
                 return [], torch.empty(0)
-            batch, rows = step_batch(plan, block_size=self.block_size, pad_block=self.cache.pad_block, device=self.device, wide=self.wide_mode)
+            batch, rows = step_batch(plan, block_size=self.block_size, pad_block=self.cache.pad_block, device=self.device, wide=self.wide_mode, adapters=self._held)
             return rows, llama.forward(self.lean, batch, self.cache.keys, self.cache.values).float()
         return self._hf_forward(plan)
 
@@ -216,7 +241,13 @@ class TorchRunner:
         mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, kv_len] causal per row
         write = read.gather(1, positions // self.block_size) * self.block_size + positions % self.block_size  # [B, T] pool rows
         self.cache.bind(write, read, kv_len)
-        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True, logits_to_keep=1)
+        if self._hooks is not None:  # flat row b * T + t is token t of seqs[b]
+            self._hooks.active = lora.step_rows([self._held.get(s.key) for s in seqs for _ in range(input_ids.shape[1])], self.device)
+        try:
+            out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=self.cache, use_cache=True, logits_to_keep=1)
+        finally:
+            if self._hooks is not None:
+                self._hooks.active = None
         return out.logits[:, -1, :]
 
     def _decode(self, seqs: tuple[Sequence, ...]) -> torch.Tensor:
@@ -234,12 +265,15 @@ class TorchRunner:
 WIDE_MIN_ROWS = 6  # `wide_mode` "auto": a step of this many rows multiplies all of them in float32 (the crossover, session 12)
 
 
-def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch.device, wide: str = "off") -> tuple[llama.StepBatch, list[Sequence]]:
+def step_batch(
+    plan: StepPlan, *, block_size: int, pad_block: int, device: torch.device, wide: str = "off", adapters: dict[str, lora.Adapter] | None = None
+) -> tuple[llama.StepBatch, list[Sequence]]:
     """A plan flattened for `llama.forward`: decode tokens first, longest first, then each prefill chunk's
     tokens; and the sequences of its sampled rows, in their order. `wide` (`TorchRunner.wide_mode`) picks
     the rows whose projections multiply in float32: the prompt tokens' ("prompt"), or every row of a step
     with prompt tokens or WIDE_MIN_ROWS rows ("auto") but generated tokens computed again (resume,
-    preemption), which stay bf16 as they were when their sequence decoded alone."""
+    preemption), which stay bf16 as they were when their sequence decoded alone. `adapters`: per sequence
+    key its LoRA adapter (`TorchRunner.attach`), so each row adds its own adapter's deltas."""
     decode = sorted(plan.decode, key=lambda s: s.computed, reverse=True)
     ids: list[int] = [s.output[-1] for s in decode]
     positions: list[int] = [s.computed for s in decode]
@@ -302,6 +336,7 @@ def step_batch(plan: StepPlan, *, block_size: int, pad_block: int, device: torch
         wide=wide_rows,
         narrow=narrow_rows,
         wide_head=wide == "auto" and wide_rows is not None and not again.intersection(sample_at),  # "prompt": bf16, row-invariant, whichever row samples
+        lora=lora.step_rows([adapters.get(s.key) for s in seqs], device) if adapters else None,
     )
     return batch, [*decode, *(c.seq for c in plan.prefill if c.completes_prompt), *(d.seq for d in plan.verify for _ in range(d.rows))]
 

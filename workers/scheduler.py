@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.block_keys import chain_hash, salted_root
-from shared.ir import Request
+from shared.ir import Request, prefix_salt
 from workers.blocks import BlockPool
 
 INTERACTIVE_PRIORITY = 0  # a request's priority unless it says (shared.ir.Request); batch lines run at --batch-priority (10)
@@ -182,8 +182,10 @@ class Scheduler:
         max_tokens_per_step: int,
         salt_outputs: bool = False,
         speculation: Speculation | None = None,
+        max_adapters: int | None = None,
     ) -> None:
         self.pool = pool
+        self.max_adapters = max_adapters  # distinct LoRA adapters among running sequences (`--max-loras`); None: no limit
         self.speculation = speculation
         self.salt_outputs = salt_outputs
         self.max_running = max_running
@@ -232,7 +234,7 @@ class Scheduler:
                     break
                 if not seq.prefilled:
                     budget -= self._chunk(seq, budget, chunks)
-            while budget > 0 and self.waiting and len(self.running) < self.max_running and self._admit(self.waiting[0]):
+            while budget > 0 and self.waiting and len(self.running) < self.max_running and (nxt := self._next_waiting()) is not None and self._admit(nxt):
                 budget -= self._chunk(self.running[-1], budget, chunks)
             if decode or chunks or not self.running:
                 self.running_peak = max(self.running_peak, len(self.running))
@@ -294,16 +296,24 @@ class Scheduler:
             seq.blocks.append(block)
         return True
 
+    def _next_waiting(self) -> Sequence | None:
+        """The first waiting sequence whose adapter may run beside the running ones: its own is already
+        running, or fewer than `max_adapters` are (vLLM's `max_loras`); the base model always may."""
+        if self.max_adapters is None:
+            return self.waiting[0]
+        live = {s.request.adapter for s in self.running if s.request.adapter}
+        return next((s for s in self.waiting if not s.request.adapter or s.request.adapter in live or len(live) < self.max_adapters), None)
+
     def _admit(self, seq: Sequence) -> bool:
-        """Move the first waiting sequence to running, reusing its longest cached prefix; False (and it
-        keeps waiting) when not even one block is free for what it must compute."""
+        """Move a waiting sequence to running, reusing its longest cached prefix; False (and it keeps
+        waiting) when not even one block is free for what it must compute."""
         usable = (len(seq.context) - 1) // self.pool.block_size  # the last prompt token is always computed
         cached = self.pool.lookup(self._keys(seq, usable))
         self.pool.hold(cached)
         if self.pool.num_free == 0:
             self.pool.release(cached)
             return False
-        self.waiting.pop(0)
+        self.waiting.remove(seq)
         hit = len(cached) * self.pool.block_size
         self.pool.count_query(queried=len(seq.context), hit=hit)
         if seq.cached_tokens is None:
@@ -318,7 +328,7 @@ class Scheduler:
         size = self.pool.block_size
         while len(seq.block_keys) < full_blocks:
             i = len(seq.block_keys)
-            parent = seq.block_keys[-1] if seq.block_keys else salted_root(seq.request.cache_salt)
+            parent = seq.block_keys[-1] if seq.block_keys else salted_root(prefix_salt(seq.request))
             prompt_in_block = len(seq.prompt) - i * size  # < size: the block holds generated tokens
             salt = b"output after %d" % max(0, prompt_in_block) if self.salt_outputs and prompt_in_block < size else b""
             seq.block_keys.append(chain_hash(parent, seq.span(i * size, (i + 1) * size), salt))

@@ -40,7 +40,7 @@ from redis.exceptions import RedisError
 
 from shared import keys
 from shared.block_keys import BLOCK_SIZE, index_key, prompt_keys
-from shared.ir import Request
+from shared.ir import Request, prefix_salt
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class Router:
         hashed where the caller tokenized (~0.1 ms per 1k tokens), off the event loop."""
         if not self.enabled:
             return None
-        return [index_key(k) for k in prompt_keys(request.prompt_token_ids, cache_salt=request.cache_salt, block_size=BLOCK_SIZE, limit=MAX_KEYS)]
+        return [index_key(k) for k in prompt_keys(request.prompt_token_ids, cache_salt=prefix_salt(request), block_size=BLOCK_SIZE, limit=MAX_KEYS)]
 
     async def route(self, request: Request, block_keys: list[bytes] | None = None) -> Route:
         """Where `request` (and the other parts of its body) goes; `block_keys`: its `block_keys` when known."""
@@ -165,7 +165,7 @@ class Router:
         by_size: dict[int, list[bytes]] = {} if block_keys is None else {BLOCK_SIZE: block_keys}
         for c in candidates:
             if c.block_size not in by_size:
-                keys_ = prompt_keys(request.prompt_token_ids, cache_salt=request.cache_salt, block_size=c.block_size, limit=MAX_KEYS)
+                keys_ = prompt_keys(request.prompt_token_ids, cache_salt=prefix_salt(request), block_size=c.block_size, limit=MAX_KEYS)
                 by_size[c.block_size] = [index_key(k) for k in keys_]
         if not any(by_size.values()):
             return [0] * len(candidates)
