@@ -101,18 +101,27 @@ def _settings(**overrides: object) -> Settings:
 
 def _check_model(settings: Settings) -> None:
     """Refuse, before anything starts, a context window the flags cannot give (models.window) and model
-    aliases that name no served model (ingest.parsers.models); on the default model this also converts its GGUF once."""
+    aliases that name no served model (ingest.parsers.models), and `--lora` adapters it cannot serve (models.adapters);
+    on the default model this also converts its GGUF once."""
+    from ingest.http.loras import parse_specs
     from ingest.parsers.models import ModelNames
+    from models.adapters import AdapterError, Base, check
     from models.window import WindowError, model_folder
 
     try:
-        name, _ = model_folder(settings)
+        name, folder = model_folder(settings)
     except WindowError as exc:
         raise typer.BadParameter(str(exc), param_hint="--max-model-len / --rope-scaling / --hf-overrides") from None
     try:
         ModelNames.parse(name, settings.served_model_name, settings.model_alias, accept_any=settings.accept_any_model)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--model-alias") from None
+    try:
+        base = Base.from_folder(folder)
+        for _name, path in parse_specs(settings.lora):
+            check(Path(path).expanduser(), base=base, max_rank=settings.max_lora_rank)
+    except (ValueError, AdapterError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--lora") from None
 
 
 def yield_to_upstream(settings: Settings) -> None:

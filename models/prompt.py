@@ -37,6 +37,7 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     sampling_defaults: dict[str, float | int]  # the folder's generation config; then the operator's (models/generation.py)
     vision: bool = False
+    folder: str = ""  # where the model was loaded from ("" for a test's stand-in): its config.json gives LoRA adapters' shapes
 
 
 class PromptRenderer:
@@ -124,6 +125,7 @@ class PromptRenderer:
             max_model_len=min(context, max_model_len) if max_model_len else context,
             eos_token_ids=tuple(sorted(eos_ids)),
             sampling_defaults=generation_fields(gen),
+            folder=str(folder),
         )
         return cls(tokenizer, info)
 

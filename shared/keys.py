@@ -86,6 +86,11 @@ WORKERS_ALIVE = f"{PREFIX}:workers:alive"
 # back) and every worker (seals each reasoning span). Never expires.
 SEAL_KEY = f"{PREFIX}:seal-key"
 
+# The LoRA adapters served, by model name → JSON {"path", "rank", "modules", "created"}. Writers: API nodes
+# (ingest.http.loras: `--lora` at start, POST /v1/load_lora_adapter and /v1/unload_lora_adapter). Readers:
+# every API node (each second, to resolve request model names and list /v1/models). Never expires.
+LORAS = f"{PREFIX}:loras"
+
 
 def worker_info(worker_id: str) -> str:
     """Hash of one worker's figures (model, pid, started, active, batch peak...).

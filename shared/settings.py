@@ -267,6 +267,14 @@ class Settings:
         repeat=True,
     )
     api_keys_file: str = setting("", API, "A file of API keys, one per line (# comments).")
+    admin_keys: str = setting(
+        "",
+        API,
+        "A key that may also load and unload LoRA adapters (POST /v1/load_lora_adapter, /v1/unload_lora_adapter); "
+        "repeat for several. With API keys set, only these may; with no key at all, anyone may.",
+        flag="--admin-key",
+        repeat=True,
+    )
     rate_limit_rpm: int = setting(0, API, "Requests per minute per API key (0: unlimited); shared by every API node.")
     rate_limit_tpm: int = setting(0, API, "Tokens per minute per API key (prompt + max_tokens, charged at admission; 0: unlimited).")
     rate_limit_period: float = setting(60.0, API, "Seconds in which an empty rate-limit bucket refills (60: the limits are per minute).")

@@ -188,6 +188,14 @@ def http_errors(server: LiveServer) -> dict[str, float]:
 
 
 @pytest.fixture(scope="session")
+def default_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two LoRA adapters of the default model built offline with peft (tests/lora_adapters.py): support-bot, pirate."""
+    from tests.lora_adapters import default_model_adapters
+
+    return default_model_adapters(tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="session")
 def tokenizer() -> Any:
     """The default model's tokenizer (the converted SmolLM2 folder), for tests that build tiny models on it."""
     from transformers import AutoTokenizer

@@ -12,8 +12,9 @@ from typing import Any
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def build_adapter(base: Any, folder: Path, *, seed: int, rank: int = 8, targets: tuple[str, ...] = ALL, alpha: int = 16, **config: Any) -> Path:
-    """An adapter of `base` (left untouched: peft wraps a copy) in `folder`; `config`: more LoraConfig fields."""
+def build_adapter(base: Any, folder: Path, *, seed: int, rank: int = 8, targets: tuple[str, ...] = ALL, strength: float = 0.1, **config: Any) -> Path:
+    """An adapter of `base` (left untouched: peft wraps a copy) in `folder`, its B scaled by `strength`;
+    `config`: more LoraConfig fields."""
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -22,11 +23,11 @@ def build_adapter(base: Any, folder: Path, *, seed: int, rank: int = 8, targets:
     torch.manual_seed(seed)
     with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` (a FutureWarning)
         warnings.simplefilter("ignore", FutureWarning)
-        model = get_peft_model(copy.deepcopy(base), LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False, **config))
+        model = get_peft_model(copy.deepcopy(base), LoraConfig(r=rank, target_modules=list(targets), init_lora_weights=False, **{"lora_alpha": 16, **config}))
     with torch.no_grad():  # peft's random B is as large as A: scale the pair so an adapter moves the logits, not drowns them
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.mul_(0.1)
+                p.mul_(strength)
     model.save_pretrained(str(folder))
     return folder
 
@@ -38,3 +39,26 @@ def merged(base: Any, folder: Path) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         return PeftModel.from_pretrained(copy.deepcopy(base), str(folder)).merge_and_unload().eval()
+
+
+def default_model_adapters(root: Path, names: tuple[str, ...] = ("support-bot", "pirate")) -> dict[str, Path]:
+    """Adapters of the default model (SmolLM2-135M-Instruct, float32 as loaded here), one per name, rank 16 on
+    every projection, weak enough that the model still writes words but other ones than without it.
+    Built once per `root`."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models.files import local_folder
+    from shared.settings import Settings
+
+    folders = {name: root / name for name in names}
+    if all((f / "adapter_model.safetensors").exists() for f in folders.values()):
+        return folders
+    settings = Settings.from_env(os.environ)
+    _, folder = local_folder(settings.model, settings.model_cache)
+    base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    for seed, target in enumerate(folders.values(), start=11):
+        build_adapter(base, target, seed=seed, rank=16, lora_alpha=32, strength=0.5)
+    return folders

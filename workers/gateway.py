@@ -247,7 +247,7 @@ class Gateway:
             self._put(request.id, Error(message="The gateway worker failed while streaming this response.", attempt=attempt))
 
     async def _stream(self, request: Request, attempt: int, continuing: Continuation | None) -> None:
-        body = chat_body(request, model=self.upstream.model, flavor=self.upstream.flavor, specials=self.specials)
+        body = chat_body(request, model=request.adapter or self.upstream.model, flavor=self.upstream.flavor, specials=self.specials)
         if continuing is not None:
             left = request.sampling.max_tokens - continuing.tokens if request.sampling.max_tokens else None
             if left is not None and left <= 0:

@@ -1,8 +1,7 @@
 """LoRA adapters on a worker: read peft's format, keep the resident ones, add each row's low-rank delta.
 
-Owns: reading an adapter folder (`adapter_config.json` through peft's own `LoraConfig`, the weights from
-`adapter_model.safetensors`) into per-projection (A, B) pairs, refusing what it cannot serve with an
-`AdapterError` naming the file; `Adapters`, the resident set (`--max-loras` of them, least recently used
+Owns: reading an adapter folder that `models.adapters.check` found servable (its config, the weights of
+`adapter_model.safetensors`) into per-projection (A, B) pairs with peft's scaling; `Adapters`, the resident set (`--max-loras` of them, least recently used
 first out, never one a sequence holds); and the delta of a step's rows (`add_deltas`), used by the lean
 forward (`workers.llama`) and by forward hooks on the hf path (`hook_hf`).
 
@@ -21,9 +20,7 @@ Must not: know the scheduler or Redis; load anything it has not checked (a bad f
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,25 +29,12 @@ from typing import Any
 
 import torch
 
+from models.adapters import TARGETS, WEIGHTS, AdapterError, Base, check, module_path, tensor_module
 from workers import kernels
 
-CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-# the projections an adapter may target: module name → (its block, the lean path's fused group, its part of it)
-TARGETS = {
-    "q_proj": ("self_attn", "qkv", 0),
-    "k_proj": ("self_attn", "qkv", 1),
-    "v_proj": ("self_attn", "qkv", 2),
-    "o_proj": ("self_attn", "o", 0),
-    "gate_proj": ("mlp", "gate_up", 0),
-    "up_proj": ("mlp", "gate_up", 1),
-    "down_proj": ("mlp", "down", 0),
-}
+__all__ = ["AdapterError", "Adapters", "HfHooks", "StepRows", "add_deltas", "read", "step_rows"]
+
 GROUPS = ("qkv", "o", "gate_up", "down")
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be served: the message names the file and what is wrong."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,102 +59,47 @@ class Adapter:
         return (self.name, self.path)
 
 
-def _shapes(model: Any) -> tuple[int, dict[str, tuple[int, int]]]:
-    """The base model's layer count and each target projection's (in, out) from its config."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    hidden, inter, q = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads * head_dim
-    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv_heads * head_dim), "v_proj": (hidden, kv_heads * head_dim), "o_proj": (q, hidden)}
-    shapes |= {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
-    return cfg.num_hidden_layers, shapes
-
-
-def read_config(folder: Path) -> Any:
-    """peft's LoraConfig of the folder, checked for what this server serves (AdapterError otherwise)."""
-    from peft import LoraConfig
-
-    path = folder / CONFIG
-    if not path.is_file():
-        raise AdapterError(f"{path}: no such file (a LoRA adapter in peft's format has {CONFIG} and {WEIGHTS})")
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise AdapterError(f"{path}: not a JSON file ({exc})") from exc
-    if not isinstance(doc, dict) or doc.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{path}: peft_type {doc.get('peft_type') if isinstance(doc, dict) else None!r}; only LORA adapters are served")
-    try:
-        config = LoraConfig.from_pretrained(str(folder))
-    except (TypeError, ValueError) as exc:
-        raise AdapterError(f"{path}: {exc}") from exc
-    unsupported = [
-        ("use_dora", bool(getattr(config, "use_dora", False))),
-        ("modules_to_save", bool(getattr(config, "modules_to_save", None))),
-        ("bias", getattr(config, "bias", "none") != "none"),
-        ("lora_bias", bool(getattr(config, "lora_bias", False))),
-        ("fan_in_fan_out", bool(getattr(config, "fan_in_fan_out", False))),
-    ]
-    for name, used in unsupported:
-        if used:
-            raise AdapterError(f"{path}: {name} is not supported (plain LoRA on q/k/v/o and gate/up/down projections only)")
-    return config
-
-
-def read(folder: str | Path, *, model: Any, max_rank: int, name: str = "") -> dict[str, Pair]:
-    """The adapter's pairs in float32 on CPU, by module path ("model.layers.{i}.{block}.{name}"), checked
-    against the base model's shapes and `max_rank`. AdapterError names the file and the tensor."""
+def read(folder: str | Path, *, model: Any, max_rank: int) -> dict[str, Pair]:
+    """The adapter's pairs in float32 on CPU, by module path ("model.layers.{i}.{block}.{name}"), once
+    `models.adapters.check` has found the folder servable on this model (AdapterError otherwise). The
+    scaling is peft's: lora_alpha (or its `alpha_pattern` match, by peft's own rule) over r, or over √r
+    with `use_rslora`."""
     from peft.utils.other import get_pattern_key
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    config = read_config(folder)
-    path = folder / WEIGHTS
-    if not path.is_file():
-        raise AdapterError(f"{path}: no such file")
+    config = check(folder, base=Base.of(model.config), max_rank=max_rank).config
     try:
-        tensors = load_file(str(path))
+        tensors = load_file(str(folder / WEIGHTS))
     except (SafetensorError, OSError) as exc:
-        raise AdapterError(f"{path}: not a safetensors file ({exc})") from exc
-    layers, shapes = _shapes(model)
+        raise AdapterError(f"{folder / WEIGHTS}: {exc}") from exc
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        m = _KEY.match(key)
-        if m is None or m.group(3) not in TARGETS or TARGETS[m.group(3)][0] != m.group(2) or int(m.group(1)) >= layers:
-            raise AdapterError(f"{path}: tensor {key!r} is not a LoRA A/B of a q/k/v/o or gate/up/down projection of a layer of this {layers}-layer model")
-        halves.setdefault(f"model.layers.{m.group(1)}.{m.group(2)}.{m.group(3)}", {})[m.group(4)] = tensor
-    if not halves:
-        raise AdapterError(f"{path}: holds no LoRA weights")
+        halves.setdefault(tensor_module(key), {})["A" if ".lora_A" in key else "B"] = tensor.float()
+    patterns: dict[str, float] = config.get("alpha_pattern") or {}
     pairs = {}
     for module, ab in sorted(halves.items()):
-        if set(ab) != {"A", "B"}:
-            raise AdapterError(f"{path}: {module} has lora_{next(iter(ab))} but not its other half")
-        a, b = ab["A"].float(), ab["B"].float()
-        fan_in, fan_out = shapes[module.rsplit(".", 1)[1]]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
-            raise AdapterError(f"{path}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit this model's [{fan_out}, {fan_in}] projection")
-        if r > max_rank:
-            raise AdapterError(f"{path}: {module} has rank {r}, above --max-lora-rank {max_rank}")
-        alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
-        scaling = alpha / math.sqrt(r) if config.use_rslora else alpha / r
-        pairs[module] = Pair(a.contiguous(), (b * scaling).contiguous())
+        r = ab["A"].shape[0]
+        alpha = float(patterns.get(get_pattern_key(list(patterns), module), config.get("lora_alpha", 8)))
+        scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        pairs[module] = Pair(ab["A"].contiguous(), (ab["B"] * scaling).contiguous())
     return pairs
 
 
 def build(pairs: dict[str, Pair], *, model: Any, name: str, path: str, dtype: torch.dtype, device: torch.device) -> Adapter:
     """Lay read pairs out for both paths in the model's dtype: unfused for the hf path's hooks, fused
     per group for the lean path (`_fuse`)."""
-    layers, shapes = _shapes(model)
+    base = Base.of(model.config)
     hf = {k: Pair(p.a.to(device, dtype), p.b.to(device, dtype)) for k, p in pairs.items()}
     lean: list[dict[str, Pair]] = []
-    for i in range(layers):
+    for i in range(base.layers):
         groups: dict[str, Pair] = {}
         for group in GROUPS:
             parts = [(n, TARGETS[n][0]) for n, (_block, g, _part) in TARGETS.items() if g == group]
-            found = {n: pairs.get(f"model.layers.{i}.{block}.{n}") for n, block in parts}
+            found = {n: pairs.get(module_path(i, n)) for n, _block in parts}
             if any(found.values()):
-                groups[group] = _fuse([(found[n], shapes[n]) for n, _ in parts], dtype=dtype, device=device)
+                groups[group] = _fuse([(found[n], base.shapes[n]) for n, _ in parts], dtype=dtype, device=device)
         lean.append(groups)
     modules = tuple(sorted({k.rsplit(".", 1)[1] for k in pairs}, key=list(TARGETS).index))
     return Adapter(name=name, path=path, rank=max(p.a.shape[0] for p in pairs.values()), modules=modules, layers=tuple(lean), hf=hf)
@@ -207,7 +136,7 @@ class Adapters:
         key = (name, path)
         adapter = self.resident.get(key)
         if adapter is None:
-            adapter = build(read(path, model=self.model, max_rank=self.max_rank, name=name), model=self.model, name=name, path=path, dtype=self.dtype, device=self.device)
+            adapter = build(read(path, model=self.model, max_rank=self.max_rank), model=self.model, name=name, path=path, dtype=self.dtype, device=self.device)
             self.loads += 1
             self.resident[key] = adapter
         self.resident.move_to_end(key)

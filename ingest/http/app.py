@@ -40,6 +40,7 @@ from ingest.batches.batch_routes import BatchLines, BatchRoutes
 from ingest.http import file_refs, responses_store, resume, storage
 from ingest.http.auth import CALLER, Authenticator, caller_of
 from ingest.http.limits import Charged, RateLimiter, check_stored_size, parse_json, read_body
+from ingest.http.loras import Loras
 from ingest.http.metrics import CONTENT_TYPE, Metrics
 from ingest.http.publish import LIFETIME_MARGIN_S, Admission, Origin, admit_and_submit, cancel
 from ingest.http.readiness import readiness
@@ -125,6 +126,8 @@ class Api:
         self._making_room: dict[str, asyncio.Task[None]] = {}  # owner → its eviction in progress
         self.metrics = Metrics(self.redis, heartbeat_ttl=settings.heartbeat_ttl)
         self.router = Router(self.redis, settings)
+        reserved = (*self.names.served, *(pattern for pattern, _ in self.names.aliases))
+        self.loras = Loras(self.redis, settings, base_folder=renderer.info.folder, reserved=reserved, parent=self.model_name)  # ingest.http.loras
         self.followers = Followers()  # background responses being saved
         self._relaxations_logged: set[str] = set()
         self.tokenizing = Tokenizing(settings, renderer)  # prompt rendering off the event loop
@@ -161,7 +164,7 @@ class Api:
     def prepare(self, request: Request, body: Any) -> Request:
         """Render the prompt, fit it and `max_tokens` into the context (ingest.parsers.context: clamp or refuse), and
         attach token ids and the raw body."""
-        self.names.check(request.model)  # an unknown model name is a 404 (ingest.parsers.models)
+        request = self.check_model(request)
         if not self.renderer.info.vision and any(isinstance(p, ImagePart) for m in request.messages for p in m.content):
             raise invalid(f"The model {self.model_name} does not accept images.", "messages", "image_not_supported")
         if self.settings.upstream:  # gateway workers: the upstream applies constraints; refuse what it cannot be told
@@ -179,6 +182,14 @@ class Api:
             prompt_token_ids=tuple(prompt),
             raw_body=orjson.dumps(redact(body)).decode(),
         )
+
+    def check_model(self, request: Request) -> Request:
+        """The request on the LoRA adapter its `model` names (ingest.http.loras), or on the base model when it
+        names a served model or an alias; an unknown name is a 404 (ingest.parsers.models)."""
+        request = self.loras.resolve(request)
+        if not request.adapter:
+            self.names.check(request.model)
+        return request
 
     def prepare_parts(self, surface: Surface, body: Any, request: Request) -> Prepared:
         """The first request a body becomes, prepared, every part to queue (each `n` choice its own), each
@@ -325,7 +336,7 @@ class Api:
 
     def cards(self) -> list[dict[str, Any]]:
         base = {"object": "model", "created": self.started, "owned_by": "metrale", "max_model_len": self.renderer.info.max_model_len}
-        return self.names.cards(base)
+        return self.names.cards(base) + self.loras.cards(base)
 
     async def models(self, http: HttpRequest) -> Response:
         return json_response({"object": "list", "data": self.cards()})
@@ -335,6 +346,9 @@ class Api:
         OpenAI's shape for any other name, also with `--accept-any-model` (which serves requests for any
         name but makes no more models exist: a client that looks a name up first learns what is here)."""
         name = _route_value(http, "tail")
+        adapter = next((c for c in self.loras.cards(self.cards()[0]) if c["id"] == name), None)
+        if adapter is not None:
+            return json_response(adapter)
         target = self.names.check(name, listed=True)
         card = next((c for c in self.cards() if c["id"] == name), None)
         return json_response(card or {**self.cards()[0], "id": name, "parent": target})
@@ -359,7 +373,7 @@ class Api:
         raw = await self.read_raw(http)
         body = parse_json(raw, self.settings.max_json_depth)
         request = await self.parse_body(anthropic_messages.parse_count_tokens, body, size=len(raw), caller=caller_of(http))
-        self.names.check(request.model)
+        self.check_model(request)
         await self.limiter.charge(caller_of(http), tokens=0)
         return json_response({"input_tokens": await self.tokenizing.count(len(raw), request)})
 
@@ -570,6 +584,8 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     app.router.add_get("/v1/models/*", guarded(api, Protocol.OPENAI_CHAT, api.model))
     app.router.add_post("/tokenize", guarded(api, Protocol.OPENAI_CHAT, api.tokenize))
     app.router.add_post("/detokenize", guarded(api, Protocol.OPENAI_CHAT, api.detokenize))
+    app.router.add_post("/v1/load_lora_adapter", guarded(api, Protocol.OPENAI_CHAT, api.loras.load))  # vLLM's runtime LoRA endpoints
+    app.router.add_post("/v1/unload_lora_adapter", guarded(api, Protocol.OPENAI_CHAT, api.loras.unload))
     for surface in surfaces():
         app.router.add_post(surface.path, guarded(api, surface.protocol, _bind(api.generate, surface)))
     app.router.add_post("/v1/messages/count_tokens", guarded(api, Protocol.ANTHROPIC_MESSAGES, api.count_tokens))
@@ -607,6 +623,7 @@ def build_app(settings: Settings, renderer: PromptRenderer) -> Application:
     async def start(_: Application) -> None:
         tasks.append(asyncio.create_task(load_seal()))
         tasks.append(asyncio.create_task(dispatcher.run(stop_dispatch)))
+        tasks.append(asyncio.create_task(api.loras.run(stop_dispatch)))
 
     async def close(_: Application) -> None:
         stop_dispatch.set()

@@ -52,8 +52,8 @@ def caller_id(key: str) -> str:
 
 
 def load_keys(settings: Settings) -> tuple[str, ...]:
-    """Every configured key: `api_keys` (comma-separated) then `api_keys_file` (one per line)."""
-    keys = [k.strip() for k in settings.api_keys.split(",")]
+    """Every configured key: `api_keys` (comma-separated), `admin_keys` (which are API keys too), then `api_keys_file` (one per line)."""
+    keys = [k.strip() for k in f"{settings.api_keys},{settings.admin_keys}".split(",")]
     if settings.api_keys_file:
         for line in Path(settings.api_keys_file).read_text().splitlines():
             line = line.strip()

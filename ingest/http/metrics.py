@@ -234,6 +234,7 @@ class Metrics:
         self.requests = Counter("met_requests", "Finished requests by protocol and finish reason.", ["protocol", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("met_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("met_generation_tokens", "Generated tokens of finished requests.", registry=r)
+        self.adapter_requests = Counter("met_lora_requests", "Finished requests on a LoRA adapter, by adapter (ingest.http.loras).", ["adapter"], registry=r)
         self.http_errors = Counter("met_http_errors", "HTTP error responses by status.", ["status"], registry=r)
         self.routing = Counter(
             "met_routing_decisions", "Where this node sent requests (ingest.http.routing): routed, or the shared queue and why.", ["decision"], registry=r
@@ -274,6 +275,8 @@ class Metrics:
     def _finish(self, request: Request, delta: StreamDelta, now: float) -> None:
         reason = delta.reason.value if isinstance(delta, Finish) else "error"
         self.requests.labels(request.protocol.value, reason).inc()
+        if request.adapter:
+            self.adapter_requests.labels(request.adapter).inc()
         self.e2e.observe(max(0.0, now - request.created))
         if isinstance(delta, Finish):
             self.prompt_tokens.inc(delta.usage.prompt_tokens)

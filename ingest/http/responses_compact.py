@@ -179,7 +179,7 @@ class CompactionRoutes:
         caller = caller_of(http)
         await api.limiter.charge(caller, tokens=0)  # before any parsing (file parts) or tokenizing
         parsed = await api.parse_body(RESPONSES.parse, body, size=len(raw), caller=caller)
-        api.names.check(parsed.model)
+        api.check_model(parsed)
         request, _ = await RESPONSES.session(api.redis, api.settings, body, parsed, caller)
         opened = open_reasoning(open_compactions(request, api.sealer), api.sealer)
         return api.json({"object": "response.input_tokens", "input_tokens": await api.tokenizing.count(len(raw), opened)})

@@ -132,6 +132,32 @@ def test_kill_9_of_the_worker_mid_stream_gives_the_client_the_uninterrupted_text
     assert r.hget(keys.request_meta(rid), "attempt") == b"2"
 
 
+def test_kill_9_of_the_worker_mid_stream_resumes_the_request_on_its_lora_adapter(cluster: LiveServer, default_adapters: dict[str, Path]) -> None:
+    r = cluster.redis()
+    wait_for("two live workers", lambda: live_workers(r))
+    added = httpx.post(f"{cluster.base_url}/v1/load_lora_adapter", json={"lora_name": "pirate", "lora_path": str(default_adapters["pirate"])}, timeout=30)
+    assert added.status_code == 200, added.text
+
+    def ask(stream: bool, model: str = "pirate") -> str:
+        with openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0, timeout=180) as api:
+            kwargs = {"model": model, "messages": [{"role": "user", "content": "Write a long poem about the sea."}], "temperature": 0, "max_tokens": MAX_TOKENS}
+            if not stream:
+                return api.chat.completions.create(**kwargs).choices[0].message.content or ""  # type: ignore[call-overload]
+            chunks = api.chat.completions.create(**kwargs, stream=True, extra_body=ONE_A_STEP)  # type: ignore[call-overload]
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    expected = ask(stream=False)
+    assert expected != ask(stream=False, model="m")  # the adapter's own text
+    started = time.time()
+    thread, result = in_background(lambda: ask(stream=True))
+    rid = str(wait_for("the request", lambda: newest_request(r, started)))
+    pid = int(str(wait_for("a few deltas", lambda: holder_pid(r, rid, min_deltas=8))))
+    os.kill(pid, signal.SIGKILL)
+    thread.join(120)
+    assert result.get("text") == expected, result
+    assert r.hget(keys.request_meta(rid), "attempt") == b"2"
+
+
 def test_a_paused_worker_that_wakes_up_after_losing_its_lease_cannot_write(cluster: LiveServer) -> None:
     r = cluster.redis()
     wait_for("two live workers", lambda: live_workers(r))
