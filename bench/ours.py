@@ -107,6 +107,7 @@ class ClientConfig:
     model: str
     request_timeout_s: float  # per request, from issue to the last chunk
     workload_timeout_s: float  # the whole closed loop
+    models: tuple[str, ...] = ()  # when set, request i asks for models[i % len(models)] (bench/lora.py: adapters)
 
 
 def served_model(base_url: str) -> str:
@@ -164,7 +165,7 @@ async def _closed_loop(config: ClientConfig, workload: Workload) -> RunRecord:
 async def _one_request(client: AsyncOpenAI, config: ClientConfig, request: BenchRequest) -> RequestTiming:
     issued = time.perf_counter()
     stream = await client.chat.completions.create(
-        model=config.model,
+        model=config.models[request.index % len(config.models)] if config.models and request.index >= 0 else config.model,
         messages=[{"role": "user", "content": request.message}],
         stream=True,
         stream_options={"include_usage": True},

@@ -187,7 +187,7 @@ class Settings:
         flag="--lora",
         repeat=True,
     )
-    max_loras: int = setting(4, WORKER, "LoRA adapters a worker keeps resident and runs at once (vLLM's --max-loras); requests for others wait.")
+    max_loras: int = setting(8, WORKER, "LoRA adapters a worker keeps resident and runs at once (vLLM's --max-loras); requests for others wait.")
     max_lora_rank: int = setting(64, EVERY, "The largest LoRA rank served: an adapter above it is refused when it is loaded.")
     # tokens merged into one Content delta before it is written (workers.coalesce; 1: every token at once)
     stream_interval: int = setting(

@@ -125,7 +125,7 @@ class StepBatch:
     wide: torch.Tensor | None = None  # [W] rows whose projections multiply in float32 (`_project`); None: no row
     narrow: torch.Tensor | None = None  # [N - W] the other rows, when only some are wide; None: every row is
     wide_head: bool = False  # the lm_head multiplies the sampled rows in float32 too
-    lora: lora.StepRows | None = None  # the rows that run a LoRA adapter, by adapter (`workers.lora`); None: none does
+    lora: lora.StackedRows | None = None  # the rows that run a LoRA adapter and their adapters' slots (`workers.lora`); None: none does
 
 
 def unsupported(model: Any, *, max_len: int) -> str | None:
@@ -306,7 +306,7 @@ def weight_shapes(w: LlamaWeights) -> list[tuple[int, int]]:
 def _project(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, batch: StepBatch, *, lora_at: tuple[int, str]) -> torch.Tensor:
     """x [N, in] → [N, out]: the rows `batch.wide` names multiply in float32 (`quant.linear(wide=True)`),
     the others as the weight is stored; then the rows that run an adapter add its delta for projection
-    group `lora_at` = (layer, group) (`lora.add_deltas`)."""
+    group `lora_at` = (layer, group) (`lora.add_stacked`)."""
     if batch.wide is None or not isinstance(w, torch.Tensor):
         y = linear(x, w, bias)
     elif batch.narrow is None:
@@ -316,8 +316,7 @@ def _project(x: torch.Tensor, w: Weight, bias: torch.Tensor | None, batch: StepB
         y.index_copy_(0, batch.narrow, linear(x.index_select(0, batch.narrow), w, bias))
         y.index_copy_(0, batch.wide, linear(x.index_select(0, batch.wide), w, bias, wide=True))
     if batch.lora is not None:
-        index, group = lora_at
-        lora.add_deltas(y, x, batch.lora, lambda adapter: adapter.layers[index].get(group))
+        lora.add_stacked(y, x, batch.lora, layer=lora_at[0], group=lora_at[1])
     return y
 
 

@@ -24,6 +24,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 from models.adapters import TARGETS, WEIGHTS, AdapterError, Base, check, module_path, tensor_module
 from workers import kernels
 
-__all__ = ["AdapterError", "Adapters", "HfHooks", "StepRows", "add_deltas", "read", "step_rows"]
+__all__ = ["AdapterError", "Adapters", "HfHooks", "StackedRows", "StepRows", "add_deltas", "add_stacked", "read", "stacked_rows", "step_rows"]
 
 GROUPS = ("qkv", "o", "gate_up", "down")
 
@@ -130,6 +131,7 @@ class Adapters:
         self.resident: OrderedDict[tuple[str, str], Adapter] = OrderedDict()
         self.holders: dict[tuple[str, str], int] = {}
         self.loads = 0
+        self._stack: Stack | None = None  # the resident adapters side by side (`stack`), rebuilt when they change
 
     def hold(self, name: str, path: str) -> Adapter:
         """The adapter, loaded if it is not resident (AdapterError if it cannot be), held until `let_go`."""
@@ -139,6 +141,7 @@ class Adapters:
             adapter = build(read(path, model=self.model, max_rank=self.max_rank), model=self.model, name=name, path=path, dtype=self.dtype, device=self.device)
             self.loads += 1
             self.resident[key] = adapter
+            self._stack = None
         self.resident.move_to_end(key)
         self.holders[key] = self.holders.get(key, 0) + 1
         self._evict()
@@ -158,11 +161,136 @@ class Adapters:
                 return
             if key not in self.holders:
                 del self.resident[key]
+                self._stack = None
+
+    @property
+    def stack(self) -> Stack:
+        if self._stack is None:
+            self._stack = build_stack(list(self.resident.values()))
+        return self._stack
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    """The resident adapters' fused pairs, slot by slot, per layer and projection group, laid out for a
+    batched matmul: A^T [S, in, R] and B^T [S, R, out] (S adapters in slot order, R the widest one's rank
+    there, the others zero-padded), so a step's rows of many adapters multiply in two `torch.bmm` calls
+    (`add_stacked`)."""
+
+    slots: dict[tuple[str, str], int]  # adapter key → its slot
+    layers: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], ...]  # group → (A^T, B^T)
+
+
+def build_stack(adapters: list[Adapter]) -> Stack:
+    size = len(adapters)
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+    for i in range(len(adapters[0].layers) if adapters else 0):
+        groups = {}
+        for group in GROUPS:
+            pairs = [a.layers[i].get(group) for a in adapters]
+            present = [p for p in pairs if p is not None]
+            if not present:
+                continue
+            r, fan_in, fan_out = max(p.a.shape[0] for p in present), present[0].a.shape[1], present[0].b.shape[0]
+            at = present[0].a.new_zeros((size, fan_in, r))
+            bt = present[0].b.new_zeros((size, r, fan_out))
+            for slot, p in enumerate(pairs):
+                if p is not None:
+                    at[slot, :, : p.a.shape[0]] = p.a.t()
+                    bt[slot, : p.a.shape[0]] = p.b.t()
+            groups[group] = (at, bt)
+        layers.append(groups)
+    return Stack({a.key: slot for slot, a in enumerate(adapters)}, tuple(layers))
+
+
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    """Rows of several adapters multiplied together (`add_stacked`): padded slot by slot to `width` rows each."""
+
+    rows: torch.Tensor  # [M] the step's flat rows, slot by slot
+    take: torch.Tensor  # [S * width] per padded position the flat row it reads (padding reads row 0; its result is dropped)
+    place: torch.Tensor  # [M] where each of `rows` sits among the padded positions
+    width: int
+
+
+@dataclass(frozen=True, slots=True)
+class StackedRows:
+    """A lean step's rows that run an adapter (`stacked_rows`): runs of one adapter, each multiplied by its
+    own pairs, and the rest of many adapters, gathered for the stacked matmul."""
+
+    runs: tuple[tuple[Adapter, slice | torch.Tensor], ...]  # (adapter, its rows: a prefill chunk's slice, or an index)
+    gathered: Gathered | None
+    stack: Stack
+
+
+def stacked_rows(adapters: list[Adapter | None], stack: Stack, device: torch.device, *, chunks: tuple[tuple[int, int], ...] = ()) -> StackedRows | None:
+    """Per flat row of a lean step its adapter (None: the base), and the step's prefill chunks as (offset,
+    length) → `add_stacked`'s rows; None when no row has an adapter. A chunk's rows share one adapter and
+    are a run of their own; so are the other rows when they all share one; rows of several adapters are
+    gathered slot by slot. Both ways give a row the same bits (a row's own sums either way: `add_stacked`)."""
+    runs: list[tuple[Adapter, slice | torch.Tensor]] = []
+    in_runs: set[int] = set()
+    for offset, length in chunks:
+        adapter = adapters[offset]
+        if adapter is not None:
+            runs.append((adapter, slice(offset, offset + length)))
+            in_runs.update(range(offset, offset + length))
+    by_slot: dict[int, list[int]] = {}
+    for i, adapter in enumerate(adapters):
+        if adapter is not None and i not in in_runs:
+            by_slot.setdefault(stack.slots[adapter.key], []).append(i)
+    gathered = None
+    if len(by_slot) == 1:
+        rows = next(iter(by_slot.values()))
+        adapter = adapters[rows[0]]
+        assert adapter is not None
+        runs.append((adapter, slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] == len(rows) - 1 else torch.tensor(rows, dtype=torch.long, device=device)))
+    elif by_slot:
+        width = max(len(r) for r in by_slot.values())
+        take = [0] * (len(stack.slots) * width)
+        order, place = [], []
+        for slot, rows in sorted(by_slot.items()):
+            for k, i in enumerate(rows):
+                take[slot * width + k] = i
+                order.append(i)
+                place.append(slot * width + k)
+        as_tensor = partial(torch.tensor, dtype=torch.long, device=device)
+        gathered = Gathered(as_tensor(order), as_tensor(take), as_tensor(place), width)
+    if not runs and gathered is None:
+        return None
+    return StackedRows(tuple(runs), gathered, stack)
+
+
+def add_stacked(y: torch.Tensor, x: torch.Tensor, rows: StackedRows, *, layer: int, group: str) -> torch.Tensor:
+    """y [N, out] += each adapter row's (x A^T) B^T for this layer's projection group, x [N, in], in place.
+    A run multiplies its adapter's own pair (two GEMMs through `kernels.linear`); gathered rows are padded
+    slot by slot into [S, width, in] and multiplied by every resident adapter's A^T, B^T in two `torch.bmm`
+    calls — a fixed number of calls whatever the step mixes (a pair of calls per adapter cost ~50 us of
+    overhead each on CPU: 8 adapters made a 32-row decode step 1.8x slower, session 22), the FLOPs of its
+    rows and ranks (and the padding). A row gets the same bits either way and alone or among others
+    (measured on AVX-512 BF16, where a bmm slice and F.linear agree for every width tried:
+    tests/workers/test_lora.py checks a request alone and among others)."""
+    for adapter, at in rows.runs:
+        pair = adapter.layers[layer].get(group)
+        if pair is None:
+            continue
+        if isinstance(at, slice):
+            y[at] += kernels.linear(kernels.linear(x[at], pair.a), pair.b)
+        else:
+            y.index_add_(0, at, kernels.linear(kernels.linear(x.index_select(0, at), pair.a), pair.b))
+    g, entry = rows.gathered, rows.stack.layers[layer].get(group)
+    if g is None or entry is None:
+        return y
+    at_, bt = entry
+    padded = x.index_select(0, g.take).view(at_.shape[0], g.width, -1)  # [S, width, in]
+    delta = torch.bmm(torch.bmm(padded, at_), bt).view(-1, bt.shape[-1])  # [S * width, out]
+    y.index_add_(0, g.rows, delta.index_select(0, g.place))
+    return y
 
 
 @dataclass(frozen=True, slots=True)
 class StepRows:
-    """A step's rows that run an adapter, adapter by adapter (`step_rows`)."""
+    """The hf path's rows that run an adapter, adapter by adapter (`step_rows`)."""
 
     order: torch.Tensor | None  # [M] flat rows in segment order; None: the segments are rows 0.. of the step in order
     segments: tuple[tuple[Adapter, int, int], ...]  # (adapter, start, stop) into `order`
@@ -170,8 +298,8 @@ class StepRows:
 
 
 def step_rows(adapters: list[Adapter | None], device: torch.device) -> StepRows | None:
-    """Per flat row of a step its adapter (None: the base) → the grouping `add_deltas` uses; None when no
-    row has one."""
+    """Per flat row of an hf forward its adapter (None: the base) → the grouping `add_deltas` uses; None when
+    no row has one."""
     by: dict[tuple[str, str], list[int]] = {}
     seen: dict[tuple[str, str], Adapter] = {}
     for i, adapter in enumerate(adapters):

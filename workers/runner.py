@@ -177,7 +177,8 @@ class TorchRunner:
         if self.lean is not None:
             if plan.empty:
                 return [], torch.empty(0)
-            batch, rows = step_batch(plan, block_size=self.block_size, pad_block=self.cache.pad_block, device=self.device, wide=self.wide_mode, adapters=self._held)
+            held = (self._held, self.adapters.stack) if self._held and self.adapters is not None else None
+            batch, rows = step_batch(plan, block_size=self.block_size, pad_block=self.cache.pad_block, device=self.device, wide=self.wide_mode, adapters=held)
             return rows, llama.forward(self.lean, batch, self.cache.keys, self.cache.values).float()
         return self._hf_forward(plan)
 
@@ -266,14 +267,21 @@ WIDE_MIN_ROWS = 6  # `wide_mode` "auto": a step of this many rows multiplies all
 
 
 def step_batch(
-    plan: StepPlan, *, block_size: int, pad_block: int, device: torch.device, wide: str = "off", adapters: dict[str, lora.Adapter] | None = None
+    plan: StepPlan,
+    *,
+    block_size: int,
+    pad_block: int,
+    device: torch.device,
+    wide: str = "off",
+    adapters: tuple[dict[str, lora.Adapter], lora.Stack] | None = None,
 ) -> tuple[llama.StepBatch, list[Sequence]]:
     """A plan flattened for `llama.forward`: decode tokens first, longest first, then each prefill chunk's
     tokens; and the sequences of its sampled rows, in their order. `wide` (`TorchRunner.wide_mode`) picks
     the rows whose projections multiply in float32: the prompt tokens' ("prompt"), or every row of a step
     with prompt tokens or WIDE_MIN_ROWS rows ("auto") but generated tokens computed again (resume,
     preemption), which stay bf16 as they were when their sequence decoded alone. `adapters`: per sequence
-    key its LoRA adapter (`TorchRunner.attach`), so each row adds its own adapter's deltas."""
+    key its LoRA adapter (`TorchRunner.attach`) and the resident ones' stack, so each row adds its own
+    adapter's deltas."""
     decode = sorted(plan.decode, key=lambda s: s.computed, reverse=True)
     ids: list[int] = [s.output[-1] for s in decode]
     positions: list[int] = [s.computed for s in decode]
@@ -336,7 +344,7 @@ def step_batch(
         wide=wide_rows,
         narrow=narrow_rows,
         wide_head=wide == "auto" and wide_rows is not None and not again.intersection(sample_at),  # "prompt": bf16, row-invariant, whichever row samples
-        lora=lora.step_rows([adapters.get(s.key) for s in seqs], device) if adapters else None,
+        lora=lora.stacked_rows([adapters[0].get(s.key) for s in seqs], adapters[1], device, chunks=tuple((o, c.end - c.start) for o, c in chunk_spans)) if adapters else None,
     )
     return batch, [*decode, *(c.seq for c in plan.prefill if c.completes_prompt), *(d.seq for d in plan.verify for _ in range(d.rows))]
 
