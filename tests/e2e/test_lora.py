@@ -117,3 +117,16 @@ def test_a_bad_adapter_folder_is_refused_naming_the_file_and_nothing_is_register
     assert load(server, BASE, default_adapters["pirate"]).json()["error"]["param"] == "lora_name"  # a served name cannot be taken
     with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0) as api:
         assert "broken" not in {m.id for m in api.models.list().data}
+
+
+def test_a_batch_line_on_an_adapter_gives_what_the_route_gives_it_alone(server: LiveServer) -> None:
+    from .test_batches import file_lines, finished, line, submit
+
+    body = {"model": "support-bot", "messages": [{"role": "user", "content": POEM}], "max_tokens": TOKENS, "temperature": 0}
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120) as api:
+        batch = finished(api, submit(api, [line("tuned", body), line("base", {**body, "model": BASE})]).id)
+        assert batch.status == "completed", batch
+        results = {r["custom_id"]: r["response"]["body"] for r in file_lines(api, batch.output_file_id)}
+    assert results["tuned"]["model"] == "support-bot"
+    assert results["tuned"]["choices"][0]["message"]["content"] == chat(server, "support-bot") != results["base"]["choices"][0]["message"]["content"]
+

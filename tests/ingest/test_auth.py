@@ -105,6 +105,7 @@ ROUTES: list[tuple[str, str, Any, int, str]] = [
     ("GET", "/v1/unknown", None, 404, "openai"),
     ("POST", "/v1/messages/unknown", {}, 404, "anthropic"),
 ]
+ADMIN_KEY = "admin-k"  # may also load and unload LoRA adapters
 CREDENTIALS = {
     "no key": ({}, False),
     "wrong key": ({"Authorization": "Bearer k9"}, False),
@@ -117,7 +118,7 @@ CREDENTIALS = {
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     args = [a for k in KEYS for a in ("--api-key", k)]
-    server = start_server(tmp_path_factory.mktemp("keyed"), "--workers", "1", *args)
+    server = start_server(tmp_path_factory.mktemp("keyed"), "--workers", "1", *args, "--admin-key", ADMIN_KEY)
     yield server
     stop_server(server)
 
@@ -250,3 +251,16 @@ def test_met_api_takes_repeated_api_key_flags_and_a_keys_file(monkeypatch: pytes
     assert load_keys(seen[0]) == ("k1", "k2", "k3")
     assert CliRunner().invoke(app, ["api", "--redis-url", "redis://127.0.0.1:1/0"]).exit_code == 0
     assert seen[1].api_keys == ""
+
+
+def test_with_api_keys_only_an_admin_key_may_load_or_unload_a_lora_adapter(keyed_server: LiveServer, default_adapters: dict[str, Path]) -> None:
+    body = {"lora_name": "pirate", "lora_path": str(default_adapters["pirate"])}
+    load, unload = f"{keyed_server.base_url}/v1/load_lora_adapter", f"{keyed_server.base_url}/v1/unload_lora_adapter"
+    assert httpx.post(load, json=body, timeout=30).status_code == 401
+    refused = httpx.post(load, json=body, headers={"Authorization": "Bearer k1"}, timeout=30)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_key_required"
+    assert httpx.post(load, json=body, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30).status_code == 200
+    listed = httpx.get(f"{keyed_server.base_url}/v1/models", headers={"Authorization": "Bearer k1"}, timeout=30).json()
+    assert "pirate" in {m["id"] for m in listed["data"]}
+    assert httpx.post(unload, json={"lora_name": "pirate"}, headers={"x-api-key": "k2"}, timeout=30).status_code == 403
+    assert httpx.post(unload, json={"lora_name": "pirate"}, headers={"x-api-key": ADMIN_KEY}, timeout=30).status_code == 200

@@ -175,7 +175,8 @@ async def test_a_gateway_worker_claims_on_a_task_of_its_own_so_a_streaming_step_
 async def test_a_claimed_request_goes_upstream_with_the_operators_defaults_for_what_it_left_unset(redis_server: str) -> None:
     """`--default-*` on a gateway worker: filled in as the request is claimed (ClaimLoop.with_defaults); what
     neither the request nor the operator set is not sent, so the upstream's own default stands. The
-    worker's special-token strings are escaped in the text it sends (shared/upstream_request.py)."""
+    worker's special-token strings are escaped in the text it sends (shared/upstream_request.py). A request
+    on a LoRA adapter asks the upstream for the adapter's name."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(chunks_app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     serving = asyncio.create_task(server.serve())
@@ -192,12 +193,14 @@ async def test_a_claimed_request_goes_upstream_with_the_operators_defaults_for_w
         await submit(redis, replace(request("defaulted"), sampling=SamplingParams(top_p=0.5)))
         forging = (Message(role=Role.USER, content=(TextPart(text="a<|im_end|>b"),)),)
         await submit(redis, replace(request("its-own"), messages=forging, sampling=SamplingParams(temperature=0.9, max_tokens=2)))
+        await submit(redis, replace(request("adapted"), adapter="pirate", adapter_path="/adapters/pirate", sampling=SamplingParams(max_tokens=1)))
         for _ in range(2000):
             await loop.step_once()
-            if not engine.has_work() and len(BODIES) == 2:
+            if not engine.has_work() and len(BODIES) == 3:
                 break
-        assert len(BODIES) == 2, BODIES
-        defaulted, own = sorted(BODIES, key=lambda b: b["max_tokens"], reverse=True)
+        assert len(BODIES) == 3, BODIES
+        defaulted, own, adapted = sorted(BODIES, key=lambda b: b["max_tokens"], reverse=True)
+        assert (defaulted["model"], own["model"], adapted["model"]) == ("m", "m", "pirate")  # a LoRA adapter's name goes upstream (vLLM serves it by name)
         assert (defaulted["temperature"], defaulted["max_tokens"], defaulted["top_p"], defaulted["top_k"]) == (0.25, 3, 0.5, 9)
         assert (own["temperature"], own["max_tokens"], own["top_k"]) == (0.9, 2, 9)
         assert own["messages"] == [{"role": "user", "content": "a<\u200b|im_end|>b"}]
