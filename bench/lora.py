@@ -25,23 +25,9 @@ from workloads import build, spec_for
 
 sys.path.insert(0, str(REPO_ROOT))
 
+from tests.lora_adapters import default_model_adapters
+
 TARGET = 0.8
-
-
-def build_adapters(root: Path, *, count: int, rank: int) -> dict[str, Path]:
-    import os
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from models.files import local_folder
-    from shared.settings import Settings
-    from tests.lora_adapters import build_adapter
-
-    settings = Settings.from_env(os.environ)
-    _, folder = local_folder(settings.model, settings.model_cache)
-    base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    return {f"tuned-{i}": build_adapter(base, root / f"tuned-{i}", seed=100 + i, rank=rank, lora_alpha=2 * rank, strength=0.5) for i in range(count)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 1 if args.quick else args.rounds
     with tempfile.TemporaryDirectory(prefix="met-lora-bench-") as tmp:
         root = Path(tmp)
-        adapters = build_adapters(root / "adapters", count=args.adapters, rank=args.rank)
+        names = tuple(f"tuned-{i}" for i in range(args.adapters))
+        adapters = default_model_adapters(root / "adapters", names, rank=args.rank, first_seed=100)
         flags = [f for name, path in adapters.items() for f in ("--lora", f"{name}={path}")]
         totals = {"base": [0.0, 0.0], "adapters": [0.0, 0.0]}  # tokens, seconds
         with running_server(root / "serve", *flags) as server:

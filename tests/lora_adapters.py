@@ -41,9 +41,9 @@ def merged(base: Any, folder: Path) -> Any:
         return PeftModel.from_pretrained(copy.deepcopy(base), str(folder)).merge_and_unload().eval()
 
 
-def default_model_adapters(root: Path, names: tuple[str, ...] = ("support-bot", "pirate")) -> dict[str, Path]:
-    """Adapters of the default model (SmolLM2-135M-Instruct, float32 as loaded here), one per name, rank 16 on
-    every projection, weak enough that the model still writes words but other ones than without it.
+def default_model_adapters(root: Path, names: tuple[str, ...] = ("support-bot", "pirate"), *, rank: int = 16, first_seed: int = 11) -> dict[str, Path]:
+    """Adapters of the default model (SmolLM2-135M-Instruct, float32 as loaded here), one per name, of `rank`
+    (lora_alpha 2 × rank, seeds from `first_seed`) on every projection, weak enough that the model still writes words but other ones than without it.
     Built once per `root`."""
     import os
 
@@ -59,6 +59,6 @@ def default_model_adapters(root: Path, names: tuple[str, ...] = ("support-bot", 
     settings = Settings.from_env(os.environ)
     _, folder = local_folder(settings.model, settings.model_cache)
     base = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    for seed, target in enumerate(folders.values(), start=11):
-        build_adapter(base, target, seed=seed, rank=16, lora_alpha=32, strength=0.5)
+    for seed, target in enumerate(folders.values(), start=first_seed):
+        build_adapter(base, target, seed=seed, rank=rank, lora_alpha=2 * rank, strength=0.5)
     return folders

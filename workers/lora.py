@@ -52,8 +52,8 @@ class Adapter:
     path: str
     rank: int  # the largest rank of its modules
     modules: tuple[str, ...]  # the projections it targets (`TARGETS`' names)
-    layers: tuple[dict[str, Pair], ...]  # [layers] group → fused pair (lean path)
-    hf: dict[str, Pair]  # "model.layers.{i}.{block}.{name}" → pair (hf path: unfused)
+    layers: tuple[dict[str, Pair], ...]  # [layers] group → fused pair (lean path; empty on the hf path)
+    hf: dict[str, Pair]  # "model.layers.{i}.{block}.{name}" → pair (hf path: unfused; empty on the lean path)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -88,12 +88,18 @@ def read(folder: str | Path, *, model: Any, max_rank: int) -> dict[str, Pair]:
     return pairs
 
 
-def build(pairs: dict[str, Pair], *, model: Any, name: str, path: str, dtype: torch.dtype, device: torch.device) -> Adapter:
-    """Lay read pairs out for both paths in the model's dtype: unfused for the hf path's hooks, fused
-    per group for the lean path (`_fuse`)."""
+def build(pairs: dict[str, Pair], *, model: Any, name: str, path: str, like: torch.Tensor, lean: bool = True) -> Adapter:
+    """Lay read pairs out in the dtype and on the device of `like` (a model weight) for the path that runs:
+    fused per group for the lean path (`_fuse`; `hf` left empty), unfused for the hf path's hooks (`layers`
+    left empty)."""
+    dtype, device = like.dtype, like.device
+    modules = tuple(sorted({k.rsplit(".", 1)[1] for k in pairs}, key=list(TARGETS).index))
+    rank = max(p.a.shape[0] for p in pairs.values())
+    if not lean:
+        hf = {k: Pair(p.a.to(device, dtype), p.b.to(device, dtype)) for k, p in pairs.items()}
+        return Adapter(name=name, path=path, rank=rank, modules=modules, layers=(), hf=hf)
     base = Base.of(model.config)
-    hf = {k: Pair(p.a.to(device, dtype), p.b.to(device, dtype)) for k, p in pairs.items()}
-    lean: list[dict[str, Pair]] = []
+    fused: list[dict[str, Pair]] = []
     for i in range(base.layers):
         groups: dict[str, Pair] = {}
         for group in GROUPS:
@@ -101,9 +107,8 @@ def build(pairs: dict[str, Pair], *, model: Any, name: str, path: str, dtype: to
             found = {n: pairs.get(module_path(i, n)) for n, _block in parts}
             if any(found.values()):
                 groups[group] = _fuse([(found[n], base.shapes[n]) for n, _ in parts], dtype=dtype, device=device)
-        lean.append(groups)
-    modules = tuple(sorted({k.rsplit(".", 1)[1] for k in pairs}, key=list(TARGETS).index))
-    return Adapter(name=name, path=path, rank=max(p.a.shape[0] for p in pairs.values()), modules=modules, layers=tuple(lean), hf=hf)
+        fused.append(groups)
+    return Adapter(name=name, path=path, rank=rank, modules=modules, layers=tuple(fused), hf={})
 
 
 def _fuse(parts: list[tuple[Pair | None, tuple[int, int]]], *, dtype: torch.dtype, device: torch.device) -> Pair:
@@ -126,8 +131,9 @@ class Adapters:
     """The adapters resident on a worker: up to `max_loras` (least recently used out first, never one a
     running sequence holds), loaded on a request's first use from the path its IR carries."""
 
-    def __init__(self, model: Any, *, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model: Any, *, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device, lean: bool = True) -> None:
         self.model, self.max_loras, self.max_rank, self.dtype, self.device = model, max_loras, max_rank, dtype, device
+        self.lean = lean  # which layout adapters are built in (`build`): the lean path's fused one, or the hf path's
         self.resident: OrderedDict[tuple[str, str], Adapter] = OrderedDict()
         self.holders: dict[tuple[str, str], int] = {}
         self.loads = 0
@@ -138,7 +144,9 @@ class Adapters:
         key = (name, path)
         adapter = self.resident.get(key)
         if adapter is None:
-            adapter = build(read(path, model=self.model, max_rank=self.max_rank), model=self.model, name=name, path=path, dtype=self.dtype, device=self.device)
+            pairs = read(path, model=self.model, max_rank=self.max_rank)
+            like = torch.empty(0, dtype=self.dtype, device=self.device)
+            adapter = build(pairs, model=self.model, name=name, path=path, like=like, lean=self.lean)
             self.loads += 1
             self.resident[key] = adapter
             self._stack = None

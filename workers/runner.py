@@ -136,7 +136,7 @@ class TorchRunner:
     def enable_adapters(self, *, max_loras: int, max_rank: int) -> TorchRunner:
         """Serve LoRA adapters (`workers.lora`): up to `max_loras` resident, each of rank at most `max_rank`;
         on the hf path through forward hooks on its projections. Before the first step."""
-        self.adapters = lora.Adapters(self.model, max_loras=max_loras, max_rank=max_rank, dtype=self.dtype, device=self.device)
+        self.adapters = lora.Adapters(self.model, max_loras=max_loras, max_rank=max_rank, dtype=self.dtype, device=self.device, lean=self.lean is not None)
         if self.lean is None:
             self._hooks = lora.HfHooks(self.model)
         return self
