@@ -78,6 +78,9 @@ def queue_line(snap: Snapshot) -> Text:
         f"in flight {q.inflight} · undelivered {undelivered} · pending (claimed) {q.pending} · ",
         f"running {snap.running} · oldest wait {fmt_age(q.oldest_wait)} · consumers {q.consumers}",
     )
+    if snap.adapters:  # LoRA adapters (docs/api.md#lora-adapters): requests per adapter, running and waiting
+        line.append("\nadapters  ", style="bold")
+        line.append(" · ".join(f"{name} {r} running" + (f", {w} waiting" if w else "") for name, r, w in snap.adapters))
     return line
 
 

@@ -70,6 +70,7 @@ class WorkerView:
     routed_queue: int = 0
     spec_proposed: int = 0  # speculative decoding (workers.speculate): guessed tokens checked, and kept
     spec_accepted: int = 0
+    adapters: tuple[tuple[str, int, int], ...] = ()  # LoRA adapters in its engine: (name, running, waiting), most running first
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -131,6 +132,19 @@ class Snapshot:
     @property
     def running(self) -> int:
         return sum(w.running for w in self.workers if not w.dead)
+
+    @property
+    def adapters(self) -> tuple[tuple[str, int, int], ...]:
+        """The LoRA adapters in the live workers' engines, summed over workers: (name, running, waiting),
+        most running first."""
+        counts: dict[str, list[int]] = {}
+        for w in self.workers:
+            if not w.dead:
+                for name, running, waiting in w.adapters:
+                    total = counts.setdefault(name, [0, 0])
+                    total[0] += running
+                    total[1] += waiting
+        return tuple((name, r, q) for name, (r, q) in sorted(counts.items(), key=lambda kv: (-kv[1][0], -kv[1][1], kv[0])))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -285,7 +299,19 @@ def _worker(
         routed_queue=_int(h, "routed_queue"),
         spec_proposed=_int(h, "spec_proposed"),
         spec_accepted=_int(h, "spec_accepted"),
+        adapters=_adapters(h.get("adapters", "")),
     )
+
+
+def _adapters(field: str) -> tuple[tuple[str, int, int], ...]:
+    """The heartbeat's "name=running/waiting,..." (`workers.engine.adapter_counts`) → (name, running, waiting)."""
+    out = []
+    for item in filter(None, field.split(",")):
+        name, _, counts = item.rpartition("=")
+        running, _, waiting = counts.partition("/")
+        if name and running.isdigit() and waiting.isdigit():
+            out.append((name, int(running), int(waiting)))
+    return tuple(out)
 
 
 def _queue(

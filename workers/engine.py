@@ -269,7 +269,7 @@ class Engine:
     def active_ids(self) -> list[str]:
         return list(self._seqs)
 
-    def figures(self) -> dict[str, float | int]:
+    def figures(self) -> dict[str, float | int | str]:
         """The engine's figures for the heartbeat, read where no step runs (the step thread hands them
         over with its emissions): a heartbeat on its own timer never reads the engine's tables."""
         stats, sched, runner, grammars = self.stats, self.scheduler, self.runner, self.grammars
@@ -299,6 +299,7 @@ class Engine:
             "spec_drafts": stats.spec_drafts,
             "spec_proposed": stats.spec_proposed,
             "spec_accepted": stats.spec_accepted,
+            "adapters": adapter_counts(sched.running, sched.waiting),
         }
 
     def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> list[Emission]:
@@ -640,3 +641,15 @@ def _with_resolved_sampling(request: Request, info: ModelInfo) -> Request:
     from dataclasses import replace
 
     return replace(request, sampling=resolve(request.sampling, info.sampling_defaults))
+
+
+def adapter_counts(running: list[Sequence], waiting: list[Sequence]) -> str:
+    """The LoRA adapters of the sequences in the engine, for the heartbeat (`met top`'s adapters column):
+    "name=running/waiting" each, comma-separated, most running first; "" when none has an adapter."""
+    counts: dict[str, list[int]] = {}
+    for at, seqs in enumerate((running, waiting)):
+        for seq in seqs:
+            if seq.request.adapter:
+                counts.setdefault(seq.request.adapter, [0, 0])[at] += 1
+    order = sorted(counts.items(), key=lambda kv: (-kv[1][0], -kv[1][1], kv[0]))
+    return ",".join(f"{name}={r}/{w}" for name, (r, w) in order)

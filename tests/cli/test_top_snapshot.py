@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from cli.top import decode_cell, routing_cell
+from cli.top import decode_cell, queue_line, routing_cell
 from cli.top_snapshot import ThroughputHistory, cancel, resolve_redis_url, take_request_detail, take_snapshot
 from shared import keys
 from shared.codec import encode_delta, encode_request
@@ -228,3 +228,20 @@ async def test_each_worker_shows_the_share_of_guessed_tokens_speculative_decodin
     assert (by_id["w-spec"].spec_proposed, by_id["w-spec"].spec_accepted) == (200, 124)
     assert decode_cell(by_id["w-spec"]) == "41.2 s62%"
     assert decode_cell(by_id["w-plain"]) == "12.0"
+
+
+async def test_the_queue_panel_shows_the_requests_of_each_lora_adapter_summed_over_the_live_workers(redis: Redis) -> None:
+    now = time.time()
+    await add_worker(redis, "w-a", heartbeat=now, running=4, adapters="pirate=2/1,support-bot=1/0")
+    await add_worker(redis, "w-b", heartbeat=now, running=2, adapters="pirate=1/0")
+    await add_worker(redis, "w-old", heartbeat=now - 60, running=5, adapters="gone=5/0")  # dead: not counted
+    await add_worker(redis, "w-base", heartbeat=now, running=1)
+
+    snap = await take_snapshot(redis, heartbeat_ttl=TTL)
+
+    assert {w.id: w.adapters for w in snap.workers}["w-a"] == (("pirate", 2, 1), ("support-bot", 1, 0))
+    assert snap.adapters == (("pirate", 3, 1), ("support-bot", 1, 0))
+    assert queue_line(snap).plain.splitlines()[1] == "adapters  pirate 3 running, 1 waiting · support-bot 1 running"
+    await redis.hset(keys.worker_info("w-a"), "adapters", "")
+    await redis.hset(keys.worker_info("w-b"), "adapters", "")
+    assert len(queue_line(await take_snapshot(redis, heartbeat_ttl=TTL)).plain.splitlines()) == 1  # no adapters: no line

@@ -130,3 +130,31 @@ def test_a_batch_line_on_an_adapter_gives_what_the_route_gives_it_alone(server: 
     assert results["tuned"]["model"] == "support-bot"
     assert results["tuned"]["choices"][0]["message"]["content"] == chat(server, "support-bot") != results["base"]["choices"][0]["message"]["content"]
 
+
+
+def test_met_top_shows_a_running_request_on_its_adapter(server: LiveServer) -> None:
+    import asyncio
+    import time
+
+    from redis.asyncio import Redis
+
+    from cli.top import queue_line
+    from cli.top_snapshot import Snapshot, take_snapshot
+
+    async def snapshot() -> Snapshot:
+        async with Redis.from_url(server.redis_url) as redis:
+            return await take_snapshot(redis, heartbeat_ttl=10)
+
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120) as api:
+        long = {"max_tokens": 2000, "extra_body": {"ignore_eos": True}}
+        stream = api.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": POEM}], stream=True, **long)  # type: ignore[call-overload]
+        next(iter(stream))  # running on the worker now
+        seen: tuple[tuple[str, int, int], ...] = ()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and seen != (("support-bot", 1, 0),):
+            snap = asyncio.run(snapshot())
+            seen = snap.adapters
+            time.sleep(0.3)
+        stream.close()
+    assert seen == (("support-bot", 1, 0),)
+    assert "adapters  support-bot 1 running" in queue_line(snap).plain

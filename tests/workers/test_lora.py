@@ -119,14 +119,18 @@ def test_max_loras_bounds_the_adapters_running_at_once_and_every_request_still_f
     engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=8, max_loras=2, speculative="off"))
     for r in requests:
         engine.add(r)
-    done, most = set(), 0
+    done, most, beats = set(), 0, []
     while engine.has_work():
         for e in engine.step():
             if isinstance(e.delta, Finish):
                 done.add(e.request_id)
         most = max(most, len({s.request.adapter for s in engine.scheduler.running}))
         assert len(runner.adapters.resident) <= 2 + len({s.request.adapter for s in engine.scheduler.waiting})  # type: ignore[union-attr]
+        beats.append(engine.figures()["adapters"])  # what the heartbeat carries to `met top`
     assert most == 2 and done == {r.id for r in requests}
+    # the first heartbeat: two adapters run two requests each, the other two wait with theirs
+    assert beats[0] == "all=2/0,attention=2/0,mlp=0/2,patterns=0/2", beats[0]
+    assert beats[-1] == ""
 
 
 def test_a_bad_adapter_file_fails_its_request_naming_the_file_and_loads_nothing(tiny: LlamaForCausalLM, adapters: dict[str, Path], tmp_path: Path) -> None:
