@@ -2,7 +2,7 @@
 Metrale image on the stand-in base images (deploy/standin/build.sh), `up --build` starts Redis, the API
 behind the nginx proxy and two CPU workers; streams on all three protocols go through the proxy; a worker
 container is killed with SIGKILL mid-stream; the API is scaled to two replicas; `stop` drains the workers;
-`down` removes everything. Works with `docker compose` (v2) or Debian's `docker-compose` (1.29)."""
+`down` removes everything; LoRA adapters from the mounted folder. Works with `docker compose` (v2) or Debian's `docker-compose` (1.29)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -98,8 +99,11 @@ def ready_workers(url: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Compose]:
+def stack(default_adapters: dict[str, Path]) -> Iterator[Compose]:
     c = Compose()
+    # the LoRA adapters' folder mounted at /adapters (compose.yaml), one of them served from the start
+    c.env["MET_ADAPTERS_DIR"] = str(default_adapters["support-bot"].parent)
+    c.env["MET_LORA"] = "support-bot=/adapters/support-bot"
     c.run("down", "-v", "--remove-orphans", check=False)
     try:
         # `--scale` and not `deploy.replicas` alone: docker-compose 1.29 reads replicas only with --compatibility.
@@ -138,6 +142,28 @@ def test_up_build_streams_all_three_protocols_through_the_proxy(stack: Compose) 
         message = stream.get_final_message()
     assert "".join(b.text for b in message.content if b.type == "text") == reference
     assert message.stop_reason == "max_tokens"
+
+
+def test_adapters_in_the_mounted_folder_serve_from_the_start_and_load_at_runtime(stack: Compose) -> None:
+    """compose.yaml mounts MET_ADAPTERS_DIR at /adapters in the API and the workers: MET_LORA registers one at start
+    (the API checks the folder), POST /v1/load_lora_adapter another, and a worker loads each from the mount."""
+
+    def chat(model: str) -> str:
+        with openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=600) as api:
+            reply = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Write a short poem about the sea."}], max_tokens=24, temperature=0)
+        assert reply.model == model
+        return reply.choices[0].message.content or ""
+
+    cards = {m["id"]: m for m in httpx.get(f"{stack.url}/v1/models", timeout=30).json()["data"]}
+    assert cards["support-bot"]["root"] == "/adapters/support-bot" and cards["support-bot"]["parent"] == "SmolLM2-135M-Instruct"
+    base, bot = chat("SmolLM2-135M-Instruct"), chat("support-bot")
+    loaded = httpx.post(f"{stack.url}/v1/load_lora_adapter", json={"lora_name": "pirate", "lora_path": "/adapters/pirate"}, timeout=60)
+    assert loaded.status_code == 200, loaded.text
+    pirate = chat("pirate")
+    assert len({base, bot, pirate}) == 3, (base, bot, pirate)
+    assert chat("support-bot") == bot  # the same text from whichever worker took it
+    outside = httpx.post(f"{stack.url}/v1/load_lora_adapter", json={"lora_name": "nowhere", "lora_path": "/adapters/nowhere"}, timeout=60)
+    assert outside.status_code == 400 and "/adapters/nowhere" in outside.text
 
 
 def newest_request(r: redis.Redis, since: float) -> str | None:

@@ -74,6 +74,9 @@ def test_an_adapter_named_by_lora_answers_every_protocol_with_its_own_text(serve
         assert response.output_text == tuned
     counted = httpx.post(f"{server.base_url}/v1/messages/count_tokens", json={"model": "support-bot", "messages": [{"role": "user", "content": POEM}]}, timeout=30)
     assert counted.status_code == 200 and counted.json()["input_tokens"] > 5
+    tokens = [httpx.post(f"{server.base_url}/tokenize", json={"model": m, "prompt": POEM}, timeout=30) for m in ("support-bot", BASE, "no-such-adapter")]
+    assert tokens[0].status_code == tokens[1].status_code == 200 and tokens[0].json()["tokens"] == tokens[1].json()["tokens"]
+    assert tokens[2].status_code == 404 and "no-such-adapter" in tokens[2].text
 
 
 def test_models_lists_each_adapter_with_its_base_as_parent(server: LiveServer) -> None:
