@@ -20,7 +20,9 @@ Must not: know the scheduler or Redis; load anything it has not checked (a bad f
 
 from __future__ import annotations
 
+import importlib
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,6 +135,10 @@ class Adapters:
 
     def __init__(self, model: Any, *, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device, lean: bool = True) -> None:
         self.model, self.max_loras, self.max_rank, self.dtype, self.device = model, max_loras, max_rank, dtype, device
+        # peft (for its pattern rules, `read`) takes ~2 s to import: imported now, beside the worker's start, so
+        # the first adapter a request names does not stall every stream's step for it
+        self.preload = threading.Thread(target=importlib.import_module, args=("peft.utils.other",), name="peft-import", daemon=True)
+        self.preload.start()
         self.lean = lean  # which layout adapters are built in (`build`): the lean path's fused one, or the hf path's
         self.resident: OrderedDict[tuple[str, str], Adapter] = OrderedDict()
         self.holders: dict[tuple[str, str], int] = {}
