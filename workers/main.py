@@ -56,7 +56,7 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
     runner = TorchRunner(
         model,
         max_len=renderer.info.max_model_len,
-        kv_budget_mb=settings.kv_budget_mb,
+        kv_budget_mb=kv_budget_mb(settings, device),
         device=device,
         dtype=dtype,
         model_impl=settings.model_impl,
@@ -91,6 +91,19 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         "max_model_len": str(renderer.info.max_model_len),
     }
     return engine, info
+
+
+def kv_budget_mb(settings: Settings, device: Any) -> int:
+    """The KV pool's MiB: `--kv-budget-mb`, else 0 (the runner takes the default share of free memory),
+    except for the workers of `met serve --workers N` on a CPU, which split that share (each would otherwise
+    take all of it: 3 x 8.7 GB on a 24 GB machine, session 21). After the weights are loaded."""
+    if settings.kv_budget_mb or settings.workers < 2 or device.type != "cpu":
+        return settings.kv_budget_mb
+    from workers.kv_cache import default_budget_mb
+
+    share = max(1, default_budget_mb(device, sharers=settings.workers))
+    log.info("KV cache: the default share of free memory split among %d workers: %d MiB each", settings.workers, share)
+    return share
 
 
 def _simulated_engine(settings: Settings, renderer: PromptRenderer, name: str) -> tuple[Engine, dict[str, str]]:

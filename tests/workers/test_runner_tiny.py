@@ -183,3 +183,21 @@ def own_greedy(model: object, prompt: list[int], n: int) -> list[int]:
         out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)  # type: ignore[operator]
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
+
+
+
+def test_the_default_kv_pool_is_split_among_the_workers_met_serve_starts_on_one_machine() -> None:
+    """`met serve --workers N` (settings.workers reaches each worker): N workers on one CPU machine share the
+    default share of its free memory instead of each taking all of it; an explicit budget, one worker or a
+    GPU keep theirs."""
+    import psutil
+
+    from workers.kv_cache import CPU_SHARE
+    from workers.main import kv_budget_mb
+
+    cpu = torch.device("cpu")
+    expected = psutil.virtual_memory().available * CPU_SHARE / 3 / 2**20
+    assert 0.8 * expected < kv_budget_mb(Settings(workers=3), cpu) < 1.2 * expected
+    assert kv_budget_mb(Settings(workers=1), cpu) == 0  # the runner's own default: the whole share
+    assert kv_budget_mb(Settings(workers=3, kv_budget_mb=256), cpu) == 256
+    assert kv_budget_mb(Settings(workers=3), torch.device("meta")) == 0
