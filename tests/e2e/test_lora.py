@@ -161,3 +161,18 @@ def test_met_top_shows_a_running_request_on_its_adapter(server: LiveServer) -> N
         stream.close()
     assert seen == (("support-bot", 1, 0),)
     assert "adapters  support-bot 1 running" in queue_line(snap).plain
+
+
+def test_met_replay_of_a_request_on_an_adapter_runs_it_on_the_adapter_again(server: LiveServer) -> None:
+    """The adapter is part of the IR and so of the dump: `met replay` of a recorded request republishes it on its
+    adapter (on the base model it would write the base's text and be reported diverged)."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120) as api:
+        reply = api.chat.completions.create(model="support-bot", messages=[{"role": "user", "content": POEM}], temperature=0, max_tokens=TOKENS)
+    request_id = reply.id.removeprefix("chatcmpl-")
+    result = CliRunner().invoke(app, ["replay", request_id, "--redis-url", server.redis_url])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[-1] == "1 request(s): 1 matched, 0 diverged", result.output
