@@ -28,7 +28,7 @@ from redis.asyncio import Redis
 from cli.top_batches import BatchView, take_batches
 from ingest.http.publish import cancel as set_cancel_flag
 from shared import keys
-from shared.codec import ID_FIELD, CodecError, Meta, decode_request, delta_of
+from shared.codec import ID_FIELD, AdapterCounts, CodecError, Meta, adapter_counts, adapters_of, decode_request, delta_of
 from shared.deltas import Content, Error, Finish
 from shared.ir import TextPart
 from shared.settings import Settings
@@ -70,7 +70,7 @@ class WorkerView:
     routed_queue: int = 0
     spec_proposed: int = 0  # speculative decoding (workers.speculate): guessed tokens checked, and kept
     spec_accepted: int = 0
-    adapters: tuple[tuple[str, int, int], ...] = ()  # LoRA adapters in its engine: (name, running, waiting), most running first
+    adapters: AdapterCounts = ()  # LoRA adapters in its engine: (name, running, waiting), most running first
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -134,17 +134,15 @@ class Snapshot:
         return sum(w.running for w in self.workers if not w.dead)
 
     @property
-    def adapters(self) -> tuple[tuple[str, int, int], ...]:
+    def adapters(self) -> AdapterCounts:
         """The LoRA adapters in the live workers' engines, summed over workers: (name, running, waiting),
         most running first."""
-        counts: dict[str, list[int]] = {}
+        counts: dict[str, tuple[int, int]] = {}
         for w in self.workers:
-            if not w.dead:
-                for name, running, waiting in w.adapters:
-                    total = counts.setdefault(name, [0, 0])
-                    total[0] += running
-                    total[1] += waiting
-        return tuple((name, r, q) for name, (r, q) in sorted(counts.items(), key=lambda kv: (-kv[1][0], -kv[1][1], kv[0])))
+            for name, running, waiting in () if w.dead else w.adapters:
+                r, q = counts.get(name, (0, 0))
+                counts[name] = (r + running, q + waiting)
+        return adapter_counts(counts)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -299,19 +297,8 @@ def _worker(
         routed_queue=_int(h, "routed_queue"),
         spec_proposed=_int(h, "spec_proposed"),
         spec_accepted=_int(h, "spec_accepted"),
-        adapters=_adapters(h.get("adapters", "")),
+        adapters=adapters_of(h.get("adapters", "")),
     )
-
-
-def _adapters(field: str) -> tuple[tuple[str, int, int], ...]:
-    """The heartbeat's "name=running/waiting,..." (`workers.engine.adapter_counts`) → (name, running, waiting)."""
-    out = []
-    for item in filter(None, field.split(",")):
-        name, _, counts = item.rpartition("=")
-        running, _, waiting = counts.partition("/")
-        if name and running.isdigit() and waiting.isdigit():
-            out.append((name, int(running), int(waiting)))
-    return tuple(out)
 
 
 def _queue(

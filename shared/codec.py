@@ -314,3 +314,27 @@ def dead_letter_entry(request_id: str, *, entry: str, deliveries: int, now: floa
     if reason:
         doc["reason"] = reason
     return doc
+
+
+AdapterCounts = tuple[tuple[str, int, int], ...]  # LoRA adapters: (name, running, waiting), most running first
+
+
+def adapter_counts(counts: Mapping[str, tuple[int, int]]) -> AdapterCounts:
+    """name → (running, waiting) in the order `met top` shows them: most running, then most waiting, then by name."""
+    return tuple((name, r, w) for name, (r, w) in sorted(counts.items(), key=lambda kv: (-kv[1][0], -kv[1][1], kv[0])))
+
+
+def adapters_field(counts: AdapterCounts) -> str:
+    """The worker heartbeat's `adapters` field: "name=running/waiting,..." ("" when none)."""
+    return ",".join(f"{name}={r}/{w}" for name, r, w in counts)
+
+
+def adapters_of(field: str) -> AdapterCounts:
+    """`adapters_field` read back; malformed items are skipped."""
+    out = []
+    for item in filter(None, field.split(",")):
+        name, _, pair = item.rpartition("=")
+        running, _, waiting = pair.partition("/")
+        if name and running.isdigit() and waiting.isdigit():
+            out.append((name, int(running), int(waiting)))
+    return tuple(out)

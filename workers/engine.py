@@ -42,6 +42,7 @@ from models.prompt import ModelInfo
 from models.reasoning import budget_for, think_format
 from models.tool_formats import ToolFormat, for_request, select
 from models.tools import calls_enabled
+from shared.codec import adapter_counts, adapters_field
 from shared.deltas import (
     Content,
     Error,
@@ -299,7 +300,7 @@ class Engine:
             "spec_drafts": stats.spec_drafts,
             "spec_proposed": stats.spec_proposed,
             "spec_accepted": stats.spec_accepted,
-            "adapters": adapter_counts(sched.running, sched.waiting),
+            "adapters": adapters_in(sched.running, sched.waiting),
         }
 
     def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> list[Emission]:
@@ -643,13 +644,13 @@ def _with_resolved_sampling(request: Request, info: ModelInfo) -> Request:
     return replace(request, sampling=resolve(request.sampling, info.sampling_defaults))
 
 
-def adapter_counts(running: list[Sequence], waiting: list[Sequence]) -> str:
-    """The LoRA adapters of the sequences in the engine, for the heartbeat (`met top`'s adapters column):
-    "name=running/waiting" each, comma-separated, most running first; "" when none has an adapter."""
-    counts: dict[str, list[int]] = {}
+def adapters_in(running: list[Sequence], waiting: list[Sequence]) -> str:
+    """The LoRA adapters of the sequences in the engine, for the heartbeat (`met top`'s adapters line):
+    `shared.codec.adapters_field` of each adapter's running and waiting sequences."""
+    counts: dict[str, tuple[int, int]] = {}
     for at, seqs in enumerate((running, waiting)):
         for seq in seqs:
             if seq.request.adapter:
-                counts.setdefault(seq.request.adapter, [0, 0])[at] += 1
-    order = sorted(counts.items(), key=lambda kv: (-kv[1][0], -kv[1][1], kv[0]))
-    return ",".join(f"{name}={r}/{w}" for name, (r, w) in order)
+                r, w = counts.get(seq.request.adapter, (0, 0))
+                counts[seq.request.adapter] = (r + 1 - at, w + at)
+    return adapters_field(adapter_counts(counts))

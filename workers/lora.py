@@ -90,11 +90,9 @@ def read(folder: str | Path, *, model: Any, max_rank: int) -> dict[str, Pair]:
     return pairs
 
 
-def build(pairs: dict[str, Pair], *, model: Any, name: str, path: str, like: torch.Tensor, lean: bool = True) -> Adapter:
-    """Lay read pairs out in the dtype and on the device of `like` (a model weight) for the path that runs:
-    fused per group for the lean path (`_fuse`; `hf` left empty), unfused for the hf path's hooks (`layers`
-    left empty)."""
-    dtype, device = like.dtype, like.device
+def build(pairs: dict[str, Pair], *, model: Any, name: str, path: str, dtype: torch.dtype, device: torch.device, lean: bool = True) -> Adapter:  # noqa: PLR0913 (keyword-only: what the adapter is and where its pairs go)
+    """Lay read pairs out in the model's dtype and device for the path that runs: fused per group for the
+    lean path (`_fuse`; `hf` left empty), unfused for the hf path's hooks (`layers` left empty)."""
     modules = tuple(sorted({k.rsplit(".", 1)[1] for k in pairs}, key=list(TARGETS).index))
     rank = max(p.a.shape[0] for p in pairs.values())
     if not lean:
@@ -151,8 +149,7 @@ class Adapters:
         adapter = self.resident.get(key)
         if adapter is None:
             pairs = read(path, model=self.model, max_rank=self.max_rank)
-            like = torch.empty(0, dtype=self.dtype, device=self.device)
-            adapter = build(pairs, model=self.model, name=name, path=path, like=like, lean=self.lean)
+            adapter = build(pairs, model=self.model, name=name, path=path, dtype=self.dtype, device=self.device, lean=self.lean)
             self.loads += 1
             self.resident[key] = adapter
             self._stack = None

@@ -358,7 +358,7 @@ class Api:
         raw = await self.read_raw(http)
         body = parse_json(raw, self.settings.max_json_depth)
         await self.limiter.charge(caller_of(http), tokens=0)
-        if isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"] not in self.loras.known:
+        if isinstance(body, dict) and isinstance(body.get("model"), str) and not self.loras.serves(body["model"]):
             self.names.check(body["model"])  # a LoRA adapter's name tokenizes as its base does; an unknown model is a 404
         return json_response(await self.tokenizing.run(len(raw), partial(tokenize.tokenize, self.renderer, body)))
 

@@ -98,12 +98,15 @@ class Loras:
         raw = await self.redis.hgetall(keys.LORAS)
         self.known = {(k.decode() if isinstance(k, bytes) else k): orjson.loads(v) for k, v in raw.items()}
 
+    def serves(self, name: str) -> bool:
+        """Whether `name` is a registered adapter's (a served model's name or alias never is)."""
+        return name in self.known and name not in self.reserved
+
     def resolve(self, request: Request) -> Request:
         """The request on the adapter its `model` names (unchanged when it names none)."""
-        entry = self.known.get(request.model)
-        if entry is None or request.model in self.reserved:
+        if not self.serves(request.model):
             return request
-        return replace(request, adapter=request.model, adapter_path=entry["path"])
+        return replace(request, adapter=request.model, adapter_path=self.known[request.model]["path"])
 
     def cards(self, base: dict[str, Any]) -> list[dict[str, Any]]:
         return [{**base, "id": name, "root": e["path"], "parent": self.parent, "created": e["created"], "lora_rank": e["rank"]} for name, e in sorted(self.known.items())]

@@ -134,7 +134,6 @@ def test_a_batch_line_on_an_adapter_gives_what_the_route_gives_it_alone(server: 
     assert results["tuned"]["choices"][0]["message"]["content"] == chat(server, "support-bot") != results["base"]["choices"][0]["message"]["content"]
 
 
-
 def test_met_top_shows_a_running_request_on_its_adapter(server: LiveServer) -> None:
     import asyncio
     import time

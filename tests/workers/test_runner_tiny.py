@@ -185,7 +185,6 @@ def own_greedy(model: object, prompt: list[int], n: int) -> list[int]:
     return tokens
 
 
-
 def test_the_default_kv_pool_is_split_among_the_workers_met_serve_starts_on_one_machine() -> None:
     """`met serve --workers N` (settings.workers reaches each worker): N workers on one CPU machine share the
     default share of its free memory instead of each taking all of it; an explicit budget, one worker or a
