@@ -1,6 +1,6 @@
 """LoRA adapters on the torch runner (workers.lora) with a tiny random Llama and adapters built by peft:
 four adapters and the base in one batch give each request peft's merged model's own greedy tokens on both
-model paths; in bf16 a request's tokens do not depend on what shares its step; the prefix cache keeps an
+model paths (the lean one through the gather-matmul kernel and through `torch.bmm`); in bf16 a request's tokens do not depend on what shares its step; the prefix cache keeps an
 adapter's blocks apart from the base's; a bad adapter is refused naming its file; `--max-loras` bounds the
 adapters a step mixes."""
 
@@ -18,7 +18,7 @@ from shared.deltas import Content, Error, Finish
 from shared.ir import Request
 from shared.settings import Settings
 from tests.lora_adapters import build_adapter, merged
-from workers import lora
+from workers import lora, lora_kernel
 from workers.engine import Engine
 from workers.runner import TorchRunner
 
@@ -53,8 +53,18 @@ def prompt(rid: str, first: int) -> Request:
     return replace(make_request(rid, max_tokens=NEW, ignore_eos=True), prompt_token_ids=tuple(range(first, first + 9)))
 
 
-def run(model: LlamaForCausalLM, requests: list[Request], *, impl: str = "lean", dtype: torch.dtype = torch.float32, max_loras: int = 8, **settings: object) -> dict[str, list[int]]:
+def ways(monkeypatch: pytest.MonkeyPatch, multiply: str) -> str:
+    """How the lean path multiplies rows of several adapters: "kernel" (`workers.lora_kernel`), or "bmm"
+    (`torch.bmm`: what a worker without a C++ compiler does)."""
+    if multiply == "bmm":
+        monkeypatch.setattr(lora_kernel, "load", lambda: None)
+    return multiply
+
+
+def run(model: LlamaForCausalLM, requests: list[Request], *, impl: str = "lean", dtype: torch.dtype = torch.float32, max_loras: int = 8, multiply: str = "kernel", **settings: object) -> dict[str, list[int]]:
     runner = TorchRunner(model, max_len=128, kv_budget_mb=16, device=torch.device("cpu"), dtype=dtype, model_impl=impl).enable_adapters(max_loras=max_loras, max_rank=16)
+    assert runner.adapters is not None
+    assert (runner.adapters.kernel is not None) == (impl == "lean" and multiply == "kernel")  # the way under test, not the other
     engine = Engine(runner, ByteTokenizer(), INFO, settings=Settings(max_running=8, max_tokens_per_step=256, max_loras=max_loras, speculative="off", **settings))  # type: ignore[arg-type]
     out: dict[str, list[int]] = {r.id: [] for r in requests}
     for r in requests:
@@ -76,14 +86,15 @@ def reference(model: LlamaForCausalLM, request: Request) -> list[int]:
     return out[0, ids.shape[1] :].tolist()
 
 
-@pytest.mark.parametrize("impl", ["lean", "hf"])
-def test_four_adapters_and_the_base_in_one_batch_each_give_peft_merged_greedy_tokens(tiny: LlamaForCausalLM, adapters: dict[str, Path], impl: str) -> None:
+@pytest.mark.parametrize(("impl", "multiply"), [("lean", "kernel"), ("lean", "bmm"), ("hf", "hooks")])
+def test_four_adapters_and_the_base_in_one_batch_each_give_peft_merged_greedy_tokens(tiny: LlamaForCausalLM, adapters: dict[str, Path], impl: str, multiply: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ways(monkeypatch, multiply)
     requests = [prompt("base", 3)] + [on(prompt(name, 3 + 20 * i), name, folder) for i, (name, folder) in enumerate(adapters.items(), start=1)]
     want = {"base": reference(tiny, requests[0])}
     for r in requests[1:]:
         want[r.id] = reference(merged(tiny, Path(r.adapter_path)), r)
     assert len({tuple(t) for t in want.values()}) == len(want)  # every adapter changes what the model says
-    got = run(copy.deepcopy(tiny), requests, impl=impl)
+    got = run(copy.deepcopy(tiny), requests, impl=impl, multiply=multiply)
     assert got == want
 
 
@@ -104,13 +115,15 @@ def test_the_same_prompt_on_the_base_then_on_an_adapter_reuses_no_base_block(tin
     assert tokens == reference(merged(tiny, adapters["all"]), second)
 
 
-def test_in_bf16_a_request_on_an_adapter_gets_the_same_tokens_alone_as_among_others(tiny: LlamaForCausalLM, adapters: dict[str, Path]) -> None:
+@pytest.mark.parametrize("multiply", ["kernel", "bmm"])
+def test_in_bf16_a_request_on_an_adapter_gets_the_same_tokens_alone_as_among_others(tiny: LlamaForCausalLM, adapters: dict[str, Path], multiply: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ways(monkeypatch, multiply)
     model = copy.deepcopy(tiny).to(torch.bfloat16)
     me = on(prompt("me", 40), "all", adapters["all"])
     others = [on(prompt(f"o{i}", 7 * i), name, folder) for i, (name, folder) in enumerate(adapters.items())] + [prompt("b", 90)]
-    alone = run(model, [me], dtype=torch.bfloat16)["me"]
-    assert run(model, [*others[:2], me, *others[2:]], dtype=torch.bfloat16)["me"] == alone
-    assert run(model, [replace(me, adapter="", adapter_path="")], dtype=torch.bfloat16)["me"] != alone
+    alone = run(model, [me], dtype=torch.bfloat16, multiply=multiply)["me"]
+    assert run(model, [*others[:2], me, *others[2:]], dtype=torch.bfloat16, multiply=multiply)["me"] == alone
+    assert run(model, [replace(me, adapter="", adapter_path="")], dtype=torch.bfloat16, multiply=multiply)["me"] != alone
 
 
 def test_max_loras_bounds_the_adapters_running_at_once_and_every_request_still_finishes(tiny: LlamaForCausalLM, adapters: dict[str, Path]) -> None:

@@ -1,0 +1,166 @@
+// Many LoRA adapters in one CPU step: y[row] += (x[row] A_slot^T) B_slot^T for rows of several adapters.
+//
+// Built and loaded by workers/lora_kernel.py (why it is hand-written is said there). Layout: A^T [S, in, R] and
+// B^T [S, R, out], contiguous, R a multiple of 16 (workers.lora.Stack); the rows listed slot by slot (`order`,
+// `starts` [S + 1]); `bounds` [S, R, 2] the columns [o0, o1) of B^T[s, k] that may be non-zero, multiples of 16
+// or `out` (the fused q/k/v and gate/up B^T are block-diagonal; a rank past the adapter's own is [0, 0)).
+//
+// Every output element is summed by one thread in one fixed order (over `in` for t = x A^T, then over k for
+// t B^T), so a row's result does not depend on the other rows, the threads or the vector width. Like two
+// `F.linear` calls in the tensors' dtype, t is rounded to the dtype before its second product and the delta
+// before it is added to y. Sixteen lanes and up to four rows are held in registers (GCC vector extensions:
+// one zmm with AVX-512, two ymm with AVX2).
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float f16x __attribute__((vector_size(64)));
+typedef uint16_t u16x __attribute__((vector_size(32)));
+typedef uint32_t u32x __attribute__((vector_size(64)));
+
+inline float load(const float v) { return v; }
+inline float load(const uint16_t v) {
+    uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline f16x load16(const float* p) {
+    f16x v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+inline f16x load16(const uint16_t* p) {
+    u16x h;
+    std::memcpy(&h, p, sizeof h);
+    u32x w = __builtin_convertvector(h, u32x) << 16;
+    f16x v;
+    std::memcpy(&v, &w, sizeof v);
+    return v;
+}
+
+template <typename T> T store(float f);
+template <> inline float store<float>(float f) { return f; }
+template <> inline uint16_t store<uint16_t>(float f) {  // round to nearest even, as torch's bfloat16
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kRows = 4;       // rows of one slot held in registers at once
+constexpr int64_t kColumns = 64;   // output columns a task of the second product owns
+
+// t[j, k0:k0+16] for rows j0..j0+N of one slot: x rows gathered to float in xf [N, in]
+template <typename T, int N>
+void first(const float* xf, int64_t in, const T* as, int64_t rank, int64_t k0, float* t) {
+    f16x acc[N] = {};
+    for (int64_t i = 0; i < in; ++i) {
+        const f16x a = load16(as + i * rank + k0);
+        for (int r = 0; r < N; ++r) acc[r] += xf[r * in + i] * a;
+    }
+    for (int r = 0; r < N; ++r)
+        for (int64_t l = 0; l < kLanes; ++l) t[r * rank + k0 + l] = load(store<T>(acc[r][l]));
+}
+
+// y[j, c:c+16] += t[j] B^T[:, c:c+16] for rows j of one slot
+template <typename T, int N>
+void second(const float* t, int64_t rank, const T* bs, const int32_t* bs_bounds, int64_t out, int64_t c, T* const* y) {
+    f16x acc[N] = {};
+    for (int64_t k = 0; k < rank; ++k) {
+        if (c < bs_bounds[2 * k] || c >= bs_bounds[2 * k + 1]) continue;
+        const f16x b = load16(bs + k * out + c);
+        for (int r = 0; r < N; ++r) acc[r] += t[r * rank + k] * b;
+    }
+    for (int r = 0; r < N; ++r)
+        for (int64_t l = 0; l < kLanes; ++l) y[r][c + l] = store<T>(load(y[r][c + l]) + load(store<T>(acc[r][l])));
+}
+
+template <typename T>
+void second_tail(const float* t, int64_t rank, const T* bs, const int32_t* bs_bounds, int64_t out, int64_t c, T* yr) {
+    for (int64_t o = c; o < out; ++o) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < rank; ++k)
+            if (o >= bs_bounds[2 * k] && o < bs_bounds[2 * k + 1]) acc += t[k] * load(bs[k * out + o]);
+        yr[o] = store<T>(load(yr[o]) + load(store<T>(acc)));
+    }
+}
+
+template <typename T>
+void add(T* y, int64_t y_stride, const T* x, int64_t x_stride, const int64_t* order, const int64_t* starts,
+         int64_t slots, const T* at, const T* bt, const int32_t* bounds, int64_t in, int64_t rank, int64_t out,
+         int threads) {
+    const int64_t m = starts[slots];
+    std::vector<float> t(static_cast<size_t>(m * rank));
+    std::vector<int64_t> blocks;  // (slot, first row) of each block of up to kRows rows
+    for (int64_t s = 0; s < slots; ++s)
+        for (int64_t j = starts[s]; j < starts[s + 1]; j += kRows) blocks.push_back(s * (m + 1) + j);
+    const int64_t nblocks = static_cast<int64_t>(blocks.size());
+    const int64_t column_blocks = (out + kColumns - 1) / kColumns;
+    const int64_t chunks = rank / kLanes;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<float> xf(static_cast<size_t>(kRows * in));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < nblocks * chunks; ++task) {
+            const int64_t b = task / chunks, k0 = (task % chunks) * kLanes;
+            const int64_t s = blocks[b] / (m + 1), j0 = blocks[b] % (m + 1);
+            const int64_t n = (starts[s + 1] - j0 < kRows) ? starts[s + 1] - j0 : kRows;
+            for (int64_t r = 0; r < n; ++r)
+                for (int64_t i = 0; i < in; ++i) xf[r * in + i] = load(x[order[j0 + r] * x_stride + i]);
+            const T* as = at + s * in * rank;
+            float* tj = &t[j0 * rank];
+            switch (n) {
+                case 1: first<T, 1>(xf.data(), in, as, rank, k0, tj); break;
+                case 2: first<T, 2>(xf.data(), in, as, rank, k0, tj); break;
+                case 3: first<T, 3>(xf.data(), in, as, rank, k0, tj); break;
+                default: first<T, 4>(xf.data(), in, as, rank, k0, tj); break;
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < nblocks * column_blocks; ++task) {
+            const int64_t b = task / column_blocks, c0 = (task % column_blocks) * kColumns;
+            const int64_t c1 = (c0 + kColumns < out) ? c0 + kColumns : out;
+            const int64_t s = blocks[b] / (m + 1), j0 = blocks[b] % (m + 1);
+            const int64_t n = (starts[s + 1] - j0 < kRows) ? starts[s + 1] - j0 : kRows;
+            const T* bs = bt + s * rank * out;
+            const int32_t* bs_bounds = bounds + s * rank * 2;
+            const float* tj = &t[j0 * rank];
+            T* rows[kRows];
+            for (int64_t r = 0; r < n; ++r) rows[r] = y + order[j0 + r] * y_stride;
+            int64_t c = c0;
+            for (; c + kLanes <= c1; c += kLanes) {
+                switch (n) {
+                    case 1: second<T, 1>(tj, rank, bs, bs_bounds, out, c, rows); break;
+                    case 2: second<T, 2>(tj, rank, bs, bs_bounds, out, c, rows); break;
+                    case 3: second<T, 3>(tj, rank, bs, bs_bounds, out, c, rows); break;
+                    default: second<T, 4>(tj, rank, bs, bs_bounds, out, c, rows); break;
+                }
+            }
+            if (c < c1)
+                for (int64_t r = 0; r < n; ++r) second_tail<T>(tj + r * rank, rank, bs, bs_bounds, c1, c, rows[r]);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+void lora_add_bf16(uint16_t* y, int64_t y_stride, const uint16_t* x, int64_t x_stride, const int64_t* order,
+                   const int64_t* starts, int64_t slots, const uint16_t* at, const uint16_t* bt,
+                   const int32_t* bounds, int64_t in, int64_t rank, int64_t out, int threads) {
+    add<uint16_t>(y, y_stride, x, x_stride, order, starts, slots, at, bt, bounds, in, rank, out, threads);
+}
+
+void lora_add_f32(float* y, int64_t y_stride, const float* x, int64_t x_stride, const int64_t* order,
+                  const int64_t* starts, int64_t slots, const float* at, const float* bt, const int32_t* bounds,
+                  int64_t in, int64_t rank, int64_t out, int threads) {
+    add<float>(y, y_stride, x, x_stride, order, starts, slots, at, bt, bounds, in, rank, out, threads);
+}
+
+}
