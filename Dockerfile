@@ -8,6 +8,9 @@ WORKDIR /app
 ARG TORCH_INDEX=""
 COPY wheels/ /tmp/wheels/
 RUN pip install --no-cache-dir --find-links /tmp/wheels ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} torch==2.13.0 && rm -rf /tmp/wheels
+# g++: a worker builds its LoRA kernel for the CPU it runs on (workers/lora_kernel.py), cached in the volume
+RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+ENV METRALE_BUILD_CACHE=/root/.cache/metrale/build
 COPY pyproject.toml README.md ./
 COPY shared shared
 COPY bus bus

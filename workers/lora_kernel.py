@@ -8,7 +8,7 @@ a projection group, 8 adapters of rank 16 cost the default model ~20 ms a 32-row
 which reads each adapter's weights once, skips the block-diagonal zeros of the fused q/k/v and gate/up B and
 holds its sums in registers, ~7 ms (bench/RESULTS.md, session 24).
 
-Built with the system's C++ compiler (`$CXX`, else `g++`): `-O3 -march=native -fopenmp`, into
+Built with the system's C++ compiler (`$CXX`, else `g++`): `-O3 -march=native -fopenmp`, at the worker's start, into
 `$METRALE_BUILD_CACHE/lora-kernel/<key>/` (default `~/.cache/metrale-build`), the key a hash of the source, the
 flags, the compiler's version and this CPU's flags, so a fresh clone or a second worker reuses it. Its
 `libgomp.so.1` is the one torch has loaded (same soname), so the kernel runs on torch's OpenMP threads.
@@ -37,7 +37,7 @@ __all__ = ["DTYPES", "LANES", "Kernel", "load"]
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lora_kernel.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # and -march: this CPU's unless `load` names one
 DTYPES = (torch.bfloat16, torch.float32)
 LANES = 16  # the kernel's ranks come in multiples of this (`workers.lora.build_stack` pads them)
 
@@ -68,19 +68,23 @@ class Kernel:
         self._fns[y.dtype](y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), order.data_ptr(), starts.data_ptr(), starts.numel() - 1, at.data_ptr(), bt.data_ptr(), bounds.data_ptr(), at.shape[1], at.shape[2], bt.shape[2], torch.get_num_threads())
 
 
-def load() -> Kernel | None:
-    """The kernel, built here first if this source, compiler and CPU have none in the cache; None (with the
-    reason logged once) where it cannot be built."""
+def load(march: str = "native") -> Kernel | None:
+    """The kernel, built here first if this source, compiler, CPU and `march` have none in the cache; None
+    (with the reason logged) where it cannot be built. Every element's sums run in one order whatever the
+    vector width, so a build for an older `march` (e.g. "haswell": AVX2) gives the same bits."""
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         log.warning("LoRA adapters multiply through torch.bmm: no C++ compiler (%s) to build %s", os.environ.get("CXX", "g++"), SOURCE.name)
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-        target = _cache() / _key(version) / "liblora.so"
+        flags = (*FLAGS, f"-march={march}")
+        target = _cache() / _key(version, flags) / "liblora.so"
         if not target.exists():
-            _build(compiler, target)
-        return Kernel(ctypes.CDLL(str(target)), target)
+            _build(compiler, flags, target)
+        kernel = Kernel(ctypes.CDLL(str(target)), target)
+        log.info("LoRA adapters multiply through %s", target)
+        return kernel
     except (OSError, subprocess.SubprocessError) as exc:
         detail = exc.stderr[-2000:] if isinstance(exc, subprocess.CalledProcessError) and exc.stderr else exc
         log.warning("LoRA adapters multiply through torch.bmm: %s did not build: %s", SOURCE.name, detail)
@@ -91,23 +95,23 @@ def _cache() -> Path:
     return Path(os.environ.get("METRALE_BUILD_CACHE") or Path.home() / ".cache" / "metrale-build") / "lora-kernel"
 
 
-def _key(compiler_version: str) -> str:
+def _key(compiler_version: str, flags: tuple[str, ...]) -> str:
     cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "") if Path("/proc/cpuinfo").exists() else ""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler_version.encode(), cpu.encode()):
+    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), compiler_version.encode(), cpu.encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
     """Compile into a temporary file beside `target`, then rename: workers building at once each get a whole
     library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".liblora-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300, check=True)
+        subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300, check=True)
         os.replace(tmp, target)
     finally:
         Path(tmp).unlink(missing_ok=True)

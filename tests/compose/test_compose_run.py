@@ -164,6 +164,11 @@ def test_adapters_in_the_mounted_folder_serve_from_the_start_and_load_at_runtime
     assert chat("support-bot") == bot  # the same text from whichever worker took it
     outside = httpx.post(f"{stack.url}/v1/load_lora_adapter", json={"lora_name": "nowhere", "lora_path": "/adapters/nowhere"}, timeout=60)
     assert outside.status_code == 400 and "/adapters/nowhere" in outside.text
+    # the image has a C++ compiler, so each worker built the gather-matmul kernel (workers/lora_kernel.py) into the
+    # models volume rather than falling back to torch.bmm
+    workers = stack.run("logs", "--no-color", "worker-cpu", check=False).stdout
+    built = {line.split("|", 1)[0].strip() for line in workers.splitlines() if "LoRA adapters multiply through /root/.cache/metrale/build/lora-kernel/" in line}
+    assert len(built) == 2, workers[-3000:]  # both containers ("<project>_worker-cpu_N |")
 
 
 def newest_request(r: redis.Redis, since: float) -> str | None:

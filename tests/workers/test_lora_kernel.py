@@ -102,6 +102,23 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_threads(kernel: lora
             assert torch.equal(add(slot_rows, threads)[3], alone[3]), (slot_rows, threads)
 
 
+def test_built_for_avx2_the_kernel_gives_the_bits_it_gives_built_for_this_cpu(kernel: lora_kernel.Kernel) -> None:
+    """Every CPU kind a worker may run on (AVX2-only, AVX-512, AMX) gets the same deltas: each element is
+    summed in one order whatever the vector width (on an AVX2-only machine both builds are AVX2)."""
+    avx2 = lora_kernel.load(march="haswell")
+    assert avx2 is not None and avx2.path != kernel.path
+    for dtype in (torch.float32, torch.bfloat16):
+        at, bt, bounds = stack(dtype, seed=5)
+        g = torch.Generator().manual_seed(6)
+        x = torch.randn(11, IN, generator=g).to(dtype)
+        y0 = torch.randn(11, OUT, generator=g).to(dtype)
+        rows = listed([[0, 3, 4, 8, 9], [1], [10, 2]])
+        here, there = y0.clone(), y0.clone()
+        kernel.add(here, x, *rows, at, bt, bounds)
+        avx2.add(there, x, *rows, at, bt, bounds)
+        assert not torch.equal(here, y0) and torch.equal(here, there), dtype
+
+
 def test_a_steps_decode_rows_are_listed_for_the_kernel_even_when_they_share_one_adapter(kernel: lora_kernel.Kernel) -> None:
     """Listed whatever their neighbours run, so a row takes the same path (and bits) alone as among others."""
     a = lora.Adapter(name="a", path="/a", rank=4, modules=(), layers=(), hf={})
