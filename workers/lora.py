@@ -2,14 +2,16 @@
 
 Owns: reading an adapter folder that `models.adapters.check` found servable (its config, the weights of
 `adapter_model.safetensors`) into per-projection (A, B) pairs with peft's scaling; `Adapters`, the resident set (`--max-loras` of them, least recently used
-first out, never one a sequence holds); and the delta of a step's rows (`add_deltas`), used by the lean
-forward (`workers.llama`) and by forward hooks on the hf path (`hook_hf`).
+first out, never one a sequence holds); and the delta of a step's rows: `add_stacked` in the lean forward
+(`workers.llama`), `add_deltas` in forward hooks on the hf path (`HfHooks`).
 
-Batched, not swapped: a step's rows are grouped by adapter (`step_rows`: one permutation a step), and per
-adapter a projection's delta is two small GEMMs on its own rows, `(x A^T) B^T` with peft's scaling folded
-into B — so a step's cost grows with its rows and ranks, not with how many adapters it mixes, and rows
-of the base model pay nothing. Each GEMM goes through `workers.kernels.linear`, so a row's delta has the
-same bits alone as among others (the row-invariance contract of docs/cpu.md holds with adapters).
+Batched, not swapped: each row adds `(x A^T) B^T` of its own adapter (peft's scaling folded into B), rows
+of the base model pay nothing. On the lean path a prefill chunk multiplies its adapter's pair (two GEMMs
+through `workers.kernels.linear`) and the step's other rows, of however many adapters, go to one call of
+the gather-matmul kernel per projection group (`workers.lora_kernel`; two `torch.bmm` over the resident
+adapters' `Stack` without it); the hf path groups rows by adapter (`step_rows`) and multiplies each group's
+pair. A row's delta has the same bits alone as among others either way (the row-invariance contract of
+docs/cpu.md holds with adapters).
 q/k/v and gate/up are fused on the lean path: their A's are stacked and their B's laid out block-diagonally
 (`_fuse`), one pair a fused projection. Hand-written because peft swaps or merges one adapter per model
 (its mixed-batch `adapter_names` runs a Python loop per module over sub-batches of an unfused HF model);
