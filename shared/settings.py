@@ -198,7 +198,7 @@ class Settings:
         "API node and the client.",
     )
     # memory for the KV block pool, per worker; 0 = a share of free memory (see workers.kv_cache)
-    kv_budget_mb: int = setting(0, WORKER, "KV block pool per worker, MiB (default: 40% of the memory free at start on a CPU, split among the workers of `met serve --workers N`; 80% of a GPU's).")
+    kv_budget_mb: int = setting(0, WORKER, "KV block pool per worker, MiB (default: 40% of the memory free at start on a CPU, or of what its memory cgroup leaves in a container with a memory limit, split among the workers of `met serve --workers N`; 80% of a GPU's).")
     prefix_cache: bool = setting(True, WORKER, "Reuse the KV blocks of identical prompt prefixes (on by default).")
     max_queue: int = setting(256, API, "Accepted-but-unfinished requests beyond which new ones get 429 / 529.")
     routing: str = setting(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -61,11 +62,42 @@ class KVGeometry:
 def default_budget_mb(device: torch.device, *, sharers: int = 1) -> int:
     """`--kv-budget-mb 0`: a share of the memory free now (after the weights are loaded). On a CPU the share
     is split among the `sharers` workers `met serve --workers N` starts on this machine (each would
-    otherwise take the whole share of the same memory: 3 x 8.7 GB on a 24 GB machine, session 21)."""
+    otherwise take the whole share of the same memory: 3 x 8.7 GB on a 24 GB machine, session 21), and
+    taken of what this process's memory cgroup still allows (`available_bytes`)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free * GPU_SHARE) // 2**20
-    return int(psutil.virtual_memory().available * CPU_SHARE / max(1, sharers)) // 2**20
+    return int(available_bytes() * CPU_SHARE / max(1, sharers)) // 2**20
+
+
+CGROUP = Path("/sys/fs/cgroup")
+# (limit, usage, stat file, its reclaimable page-cache line) of cgroup v2, then v1's memory controller
+CGROUP_FILES = (("memory.max", "memory.current", "memory.stat", "inactive_file"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "memory/memory.stat", "total_inactive_file"))
+UNLIMITED = 2**62  # v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+def available_bytes(cgroup: Path = CGROUP) -> int:
+    """The memory this process can still take: the machine's available memory, or less where its memory
+    cgroup's limit (`docker run --memory`, a compose or Kubernetes limit) leaves less — the limit minus the
+    cgroup's usage, its inactive page cache counted as free. psutil reads /proc/meminfo, which in a
+    container is the host's: a worker under a 4 GiB limit on a 64 GiB host would plan a 25 GiB pool and be
+    killed as it filled."""
+    available = int(psutil.virtual_memory().available)
+    for limit_file, usage_file, stat_file, reclaimable in CGROUP_FILES:
+        try:
+            limit_text = (cgroup / limit_file).read_text().strip()
+            usage = int((cgroup / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or int(limit_text) >= UNLIMITED:
+            return available
+        try:
+            stat = dict(line.split(maxsplit=1) for line in (cgroup / stat_file).read_text().splitlines() if " " in line)
+            inactive = int(stat.get(reclaimable, 0))
+        except (OSError, ValueError):
+            inactive = 0
+        return min(available, max(0, int(limit_text) - usage + inactive))
+    return available
 
 
 def block_tables(tables: list[list[int]], ends: list[int], *, width: int, block_size: int, pad_block: int) -> torch.Tensor:

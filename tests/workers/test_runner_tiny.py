@@ -4,6 +4,7 @@ block reuse don't change a sequence's tokens, and a deadline ends a request with
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,3 +201,25 @@ def test_the_default_kv_pool_is_split_among_the_workers_met_serve_starts_on_one_
     assert kv_budget_mb(Settings(workers=1), cpu) == 0  # the runner's own default: the whole share
     assert kv_budget_mb(Settings(workers=3, kv_budget_mb=256), cpu) == 256
     assert kv_budget_mb(Settings(workers=3), torch.device("meta")) == 0
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_the_default_kv_pool_takes_its_share_of_what_the_memory_cgroup_leaves(tmp_path: Path, version: str) -> None:
+    """In a container psutil sees the host's memory: under a memory limit the pool's share is of the limit
+    minus the cgroup's usage (its inactive page cache counted as free); without a limit, of the machine's."""
+    import psutil
+
+    from workers.kv_cache import available_bytes
+
+    limit, usage, inactive = 3 * 2**30, 2**30, 256 * 2**20
+    v2 = version == "v2"
+    folder = tmp_path if v2 else tmp_path / "memory"
+    folder.mkdir(exist_ok=True)
+    (folder / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(f"{limit}\n")
+    (folder / ("memory.current" if v2 else "memory.usage_in_bytes")).write_text(f"{usage}\n")
+    (folder / "memory.stat").write_text(f"anon 123\n{'inactive_file' if v2 else 'total_inactive_file'} {inactive}\nactive_file 9\n")
+    host = psutil.virtual_memory().available
+    assert available_bytes(tmp_path) == min(host, limit - usage + inactive)
+    (folder / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text("max\n" if v2 else "9223372036854771712\n")
+    assert abs(available_bytes(tmp_path) - psutil.virtual_memory().available) < 256 * 2**20  # no limit: the machine's
+    assert abs(available_bytes(tmp_path / "none") - psutil.virtual_memory().available) < 256 * 2**20  # no cgroup files
