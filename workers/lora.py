@@ -23,6 +23,7 @@ Must not: know the scheduler or Redis; load anything it has not checked (a bad f
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import threading
 from collections import OrderedDict
@@ -40,6 +41,8 @@ from workers import kernels, lora_kernel
 __all__ = ["AdapterError", "Adapters", "HfHooks", "StackedRows", "StepRows", "add_deltas", "add_stacked", "read", "stacked_rows", "step_rows"]
 
 GROUPS = ("qkv", "o", "gate_up", "down")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +192,8 @@ class Adapters:
         if self._kernel_build is not None:
             self._kernel_build.join()
             self._kernel_build = None
+            if self._kernel[0] is None:
+                log.warning("LoRA adapters multiply through torch.bmm, slower with many adapters a step: the kernel did not build (workers.lora_kernel says why above)")
         return self._kernel[0]
 
     @property

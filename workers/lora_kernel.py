@@ -12,8 +12,8 @@ Built with the system's C++ compiler (`$CXX`, else `g++`): `-O3 -march=native -f
 `$METRALE_BUILD_CACHE/lora-kernel/<key>/` (default `~/.cache/metrale-build`), the key a hash of the source, the
 flags, the compiler's version and this CPU's flags, so a fresh clone or a second worker reuses it. Its
 `libgomp.so.1` is the one torch has loaded (same soname), so the kernel runs on torch's OpenMP threads.
-Without a compiler `load()` logs why and returns None, and the adapters multiply through `torch.bmm`
-(`workers.lora.add_stacked`).
+Without a compiler `load()` logs why (a worker that then runs an adapter warns once) and returns None, and
+the adapters multiply through `torch.bmm` (`workers.lora.add_stacked`).
 
 Must not: be called with tensors of another dtype or device than `DTYPES` on a CPU, or rows not contiguous
 in their last dimension (`supports`, `workers.lora` checks).
@@ -74,7 +74,7 @@ def load(march: str = "native") -> Kernel | None:
     vector width, so a build for an older `march` (e.g. "haswell": AVX2) gives the same bits."""
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
-        log.warning("LoRA adapters multiply through torch.bmm: no C++ compiler (%s) to build %s", os.environ.get("CXX", "g++"), SOURCE.name)
+        log.info("LoRA adapters multiply through torch.bmm: no C++ compiler (%s) to build %s", os.environ.get("CXX", "g++"), SOURCE.name)
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
@@ -87,7 +87,7 @@ def load(march: str = "native") -> Kernel | None:
         return kernel
     except (OSError, subprocess.SubprocessError) as exc:
         detail = exc.stderr[-2000:] if isinstance(exc, subprocess.CalledProcessError) and exc.stderr else exc
-        log.warning("LoRA adapters multiply through torch.bmm: %s did not build: %s", SOURCE.name, detail)
+        log.info("LoRA adapters multiply through torch.bmm: %s did not build: %s", SOURCE.name, detail)
         return None
 
 

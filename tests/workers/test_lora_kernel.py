@@ -144,7 +144,18 @@ def test_the_kernel_is_built_once_into_the_build_cache(tmp_path: Path, monkeypat
 def test_without_a_compiler_it_says_why_and_the_adapters_use_bmm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("METRALE_BUILD_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", os.fspath(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger="workers.lora_kernel"):
+    with caplog.at_level(logging.INFO, logger="workers.lora_kernel"):
         assert lora_kernel.load() is None
     assert "no C++ compiler" in caplog.text and "torch.bmm" in caplog.text
     assert not (tmp_path / "lora-kernel").exists()
+
+
+def test_a_worker_without_the_kernel_warns_once_when_it_runs_an_adapter(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """At its start (every worker) the missing compiler is an info line; the first stack of adapters warns."""
+    monkeypatch.setattr(lora_kernel, "load", lambda: None)
+    adapters = lora.Adapters(object(), max_loras=2, max_rank=8, dtype=torch.bfloat16, device=torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="workers.lora"):
+        assert adapters.kernel is None and adapters.kernel is None
+    assert [r.getMessage() for r in caplog.records].count(
+        "LoRA adapters multiply through torch.bmm, slower with many adapters a step: the kernel did not build (workers.lora_kernel says why above)"
+    ) == 1
