@@ -80,9 +80,10 @@ void second(const float* t, int64_t rank, const T* bs, const int32_t* bs_bounds,
         for (int64_t l = 0; l < kLanes; ++l) y[r][c + l] = store<T>(load(y[r][c + l]) + load(store<T>(acc[r][l])));
 }
 
+// the same for the columns [c, c1) past the last whole 16 (out not a multiple of 16), one row
 template <typename T>
-void second_tail(const float* t, int64_t rank, const T* bs, const int32_t* bs_bounds, int64_t out, int64_t c, T* yr) {
-    for (int64_t o = c; o < out; ++o) {
+void second_tail(const float* t, int64_t rank, const T* bs, const int32_t* bs_bounds, int64_t out, int64_t c, int64_t c1, T* yr) {
+    for (int64_t o = c; o < c1; ++o) {
         float acc = 0.0f;
         for (int64_t k = 0; k < rank; ++k)
             if (o >= bs_bounds[2 * k] && o < bs_bounds[2 * k + 1]) acc += t[k] * load(bs[k * out + o]);
@@ -142,7 +143,7 @@ void add(T* y, int64_t y_stride, const T* x, int64_t x_stride, const int64_t* or
                 }
             }
             if (c < c1)
-                for (int64_t r = 0; r < n; ++r) second_tail<T>(tj + r * rank, rank, bs, bs_bounds, c1, c, rows[r]);
+                for (int64_t r = 0; r < n; ++r) second_tail<T>(tj + r * rank, rank, bs, bs_bounds, out, c, c1, rows[r]);
         }
     }
 }
