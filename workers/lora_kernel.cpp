@@ -12,6 +12,7 @@
 // one zmm with AVX-512, two ymm with AVX2).
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -53,31 +54,60 @@ template <> inline uint16_t store<uint16_t>(float f) {  // round to nearest even
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kRows = 4;       // rows of one slot held in registers at once
-constexpr int64_t kColumns = 64;   // output columns a task of the second product owns
+constexpr int64_t kColumns = 64;   // output columns a task of the second product owns (kColumns / kLanes vectors)
+#ifdef __AVX512F__
+constexpr int64_t kChunks = 4;     // 16-lane chunks of the rank a task of the first product holds (4 x 4 zmm)
+#else
+constexpr int64_t kChunks = 2;     // two ymm a chunk: 4 x 2 x 2 of AVX2's 16
+#endif
 
-// t[j, k0:k0+16] for rows j0..j0+N of one slot: x rows gathered to float in xf [N, in]
-template <typename T, int N>
+// t[j, k0 : k0 + 16 C] for N rows of one slot: x rows gathered to float in xf [N, in]
+template <typename T, int N, int C>
 void first(const float* xf, int64_t in, const T* as, int64_t rank, int64_t k0, float* t) {
-    f16x acc[N] = {};
+    f16x acc[N][C] = {};
     for (int64_t i = 0; i < in; ++i) {
-        const f16x a = load16(as + i * rank + k0);
-        for (int r = 0; r < N; ++r) acc[r] += xf[r * in + i] * a;
+        f16x a[C];
+        for (int c = 0; c < C; ++c) a[c] = load16(as + i * rank + k0 + c * kLanes);
+        for (int r = 0; r < N; ++r) {
+            const float xi = xf[r * in + i];
+            for (int c = 0; c < C; ++c) acc[r][c] += xi * a[c];
+        }
     }
     for (int r = 0; r < N; ++r)
-        for (int64_t l = 0; l < kLanes; ++l) t[r * rank + k0 + l] = load(store<T>(acc[r][l]));
+        for (int c = 0; c < C; ++c)
+            for (int64_t l = 0; l < kLanes; ++l) t[r * rank + k0 + c * kLanes + l] = load(store<T>(acc[r][c][l]));
 }
 
-// y[j, c:c+16] += t[j] B^T[:, c:c+16] for rows j of one slot
-template <typename T, int N>
+// y[j, c : c + 16 W] += t[j] B^T[:, c : c + 16 W] for N rows of one slot; a rank whose bounds cover only part
+// of the W vectors (none in the fused layouts of the usual widths) adds to those alone, in the same order
+template <typename T, int N, int W>
 void second(const float* t, int64_t rank, const T* bs, const int32_t* bs_bounds, int64_t out, int64_t c, T* const* y) {
-    f16x acc[N] = {};
+    f16x acc[N][W] = {};
     for (int64_t k = 0; k < rank; ++k) {
-        if (c < bs_bounds[2 * k] || c >= bs_bounds[2 * k + 1]) continue;
-        const f16x b = load16(bs + k * out + c);
-        for (int r = 0; r < N; ++r) acc[r] += t[r * rank + k] * b;
+        const int64_t o0 = bs_bounds[2 * k], o1 = bs_bounds[2 * k + 1];
+        if (o1 <= c || o0 >= c + W * kLanes) continue;
+        const T* bk = bs + k * out + c;
+        if (o0 <= c && c + W * kLanes <= o1) {
+            f16x b[W];
+            for (int w = 0; w < W; ++w) b[w] = load16(bk + w * kLanes);
+            for (int r = 0; r < N; ++r) {
+                const float tk = t[r * rank + k];
+                for (int w = 0; w < W; ++w) acc[r][w] += tk * b[w];
+            }
+        } else {
+            for (int w = 0; w < W; ++w) {
+                if (c + w * kLanes < o0 || c + w * kLanes >= o1) continue;
+                const f16x b = load16(bk + w * kLanes);
+                for (int r = 0; r < N; ++r) acc[r][w] += t[r * rank + k] * b;
+            }
+        }
     }
     for (int r = 0; r < N; ++r)
-        for (int64_t l = 0; l < kLanes; ++l) y[r][c + l] = store<T>(load(y[r][c + l]) + load(store<T>(acc[r][l])));
+        for (int w = 0; w < W; ++w)
+            for (int64_t l = 0; l < kLanes; ++l) {
+                T& yo = y[r][c + w * kLanes + l];
+                yo = store<T>(load(yo) + load(store<T>(acc[r][w][l])));
+            }
 }
 
 // the same for the columns [c, c1) past the last whole 16 (out not a multiple of 16), one row
@@ -88,6 +118,25 @@ void second_tail(const float* t, int64_t rank, const T* bs, const int32_t* bs_bo
         for (int64_t k = 0; k < rank; ++k)
             if (o >= bs_bounds[2 * k] && o < bs_bounds[2 * k + 1]) acc += t[k] * load(bs[k * out + o]);
         yr[o] = store<T>(load(yr[o]) + load(store<T>(acc)));
+    }
+}
+
+// compile-time N (rows, 1..kRows) and M (vectors, 1..4) from run-time ones
+template <typename F>
+void dispatch(int64_t n, int64_t m, F&& f) {
+    auto rows = [&](auto nn) {
+        switch (m) {
+            case 1: f(nn, std::integral_constant<int, 1>{}); break;
+            case 2: f(nn, std::integral_constant<int, 2>{}); break;
+            case 3: f(nn, std::integral_constant<int, 3>{}); break;
+            default: f(nn, std::integral_constant<int, 4>{}); break;
+        }
+    };
+    switch (n) {
+        case 1: rows(std::integral_constant<int, 1>{}); break;
+        case 2: rows(std::integral_constant<int, 2>{}); break;
+        case 3: rows(std::integral_constant<int, 3>{}); break;
+        default: rows(std::integral_constant<int, 4>{}); break;
     }
 }
 
@@ -102,25 +151,23 @@ void add(T* y, int64_t y_stride, const T* x, int64_t x_stride, const int64_t* or
         for (int64_t j = starts[s]; j < starts[s + 1]; j += kRows) blocks.push_back(s * (m + 1) + j);
     const int64_t nblocks = static_cast<int64_t>(blocks.size());
     const int64_t column_blocks = (out + kColumns - 1) / kColumns;
-    const int64_t chunks = rank / kLanes;
+    const int64_t chunk_groups = (rank / kLanes + kChunks - 1) / kChunks;
 #pragma omp parallel num_threads(threads)
     {
         std::vector<float> xf(static_cast<size_t>(kRows * in));
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < nblocks * chunks; ++task) {
-            const int64_t b = task / chunks, k0 = (task % chunks) * kLanes;
+        for (int64_t task = 0; task < nblocks * chunk_groups; ++task) {
+            const int64_t b = task / chunk_groups, k0 = (task % chunk_groups) * kChunks * kLanes;
             const int64_t s = blocks[b] / (m + 1), j0 = blocks[b] % (m + 1);
             const int64_t n = (starts[s + 1] - j0 < kRows) ? starts[s + 1] - j0 : kRows;
+            const int64_t chunks = (rank - k0) / kLanes < kChunks ? (rank - k0) / kLanes : kChunks;
             for (int64_t r = 0; r < n; ++r)
                 for (int64_t i = 0; i < in; ++i) xf[r * in + i] = load(x[order[j0 + r] * x_stride + i]);
             const T* as = at + s * in * rank;
             float* tj = &t[j0 * rank];
-            switch (n) {
-                case 1: first<T, 1>(xf.data(), in, as, rank, k0, tj); break;
-                case 2: first<T, 2>(xf.data(), in, as, rank, k0, tj); break;
-                case 3: first<T, 3>(xf.data(), in, as, rank, k0, tj); break;
-                default: first<T, 4>(xf.data(), in, as, rank, k0, tj); break;
-            }
+            dispatch(n, chunks, [&](auto nn, auto cc) {
+                if constexpr (cc <= kChunks) first<T, nn, cc>(xf.data(), in, as, rank, k0, tj);
+            });
         }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < nblocks * column_blocks; ++task) {
@@ -133,15 +180,10 @@ void add(T* y, int64_t y_stride, const T* x, int64_t x_stride, const int64_t* or
             const float* tj = &t[j0 * rank];
             T* rows[kRows];
             for (int64_t r = 0; r < n; ++r) rows[r] = y + order[j0 + r] * y_stride;
-            int64_t c = c0;
-            for (; c + kLanes <= c1; c += kLanes) {
-                switch (n) {
-                    case 1: second<T, 1>(tj, rank, bs, bs_bounds, out, c, rows); break;
-                    case 2: second<T, 2>(tj, rank, bs, bs_bounds, out, c, rows); break;
-                    case 3: second<T, 3>(tj, rank, bs, bs_bounds, out, c, rows); break;
-                    default: second<T, 4>(tj, rank, bs, bs_bounds, out, c, rows); break;
-                }
-            }
+            const int64_t vectors = (c1 - c0) / kLanes;
+            if (vectors > 0)
+                dispatch(n, vectors, [&](auto nn, auto ww) { second<T, nn, ww>(tj, rank, bs, bs_bounds, out, c0, rows); });
+            const int64_t c = c0 + vectors * kLanes;
             if (c < c1)
                 for (int64_t r = 0; r < n; ++r) second_tail<T>(tj + r * rank, rank, bs, bs_bounds, out, c, c1, rows[r]);
         }

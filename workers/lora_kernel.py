@@ -37,7 +37,7 @@ __all__ = ["DTYPES", "LANES", "Kernel", "load"]
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("lora_kernel.cpp")
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # and -march: this CPU's unless `load` names one
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi")  # and -march: this CPU's unless `load` names one
 DTYPES = (torch.bfloat16, torch.float32)
 LANES = 16  # the kernel's ranks come in multiples of this (`workers.lora.build_stack` pads them)
 
