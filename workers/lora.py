@@ -144,10 +144,10 @@ class Adapters:
         self.preload.start()
         # the gather-matmul kernel (`workers.lora_kernel`), built beside the start too (<1 s; cached) and waited
         # for by the first stack, so every step of the worker multiplies its adapters one way
-        self._kernel: list[lora_kernel.Kernel | None] = [None]
+        self._kernel: lora_kernel.Kernel | None = None
         self._kernel_build: threading.Thread | None = None
         if lean and lora_kernel.Kernel.supports(dtype, device):
-            self._kernel_build = threading.Thread(target=lambda: self._kernel.__setitem__(0, lora_kernel.load()), name="lora-kernel", daemon=True)
+            self._kernel_build = threading.Thread(target=self._load_kernel, name="lora-kernel", daemon=True)
             self._kernel_build.start()
         self.lean = lean  # which layout adapters are built in (`build`): the lean path's fused one, or the hf path's
         self.resident: OrderedDict[tuple[str, str], Adapter] = OrderedDict()
@@ -186,15 +186,18 @@ class Adapters:
                 del self.resident[key]
                 self._stack = None
 
+    def _load_kernel(self) -> None:
+        self._kernel = lora_kernel.load()
+
     @property
     def kernel(self) -> lora_kernel.Kernel | None:
         """The gather-matmul kernel this worker's lean steps use, None: they use `torch.bmm`."""
         if self._kernel_build is not None:
             self._kernel_build.join()
             self._kernel_build = None
-            if self._kernel[0] is None:
+            if self._kernel is None:
                 log.warning("LoRA adapters multiply through torch.bmm, slower with many adapters a step: the kernel did not build (workers.lora_kernel says why above)")
-        return self._kernel[0]
+        return self._kernel
 
     @property
     def stack(self) -> Stack:
@@ -215,19 +218,7 @@ class Stack:
     slots: dict[tuple[str, str], int]  # adapter key → its slot
     layers: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], ...]  # group → (A^T, B^T)
     kernel: lora_kernel.Kernel | None = None
-    bounds: tuple[dict[str, torch.Tensor], ...] = ()  # per layer, group → [S, R, 2] (with the kernel)
-
-
-def _bounds(bt: torch.Tensor) -> torch.Tensor:
-    """Per (slot, rank) of B^T [S, R, out] the columns [o0, o1) holding its non-zeros, rounded out to
-    multiples of `LANES` (o1 at most out); [0, 0) for an all-zero one."""
-    nz = bt != 0
-    out = bt.shape[-1]
-    first = nz.to(torch.uint8).argmax(-1)
-    last = out - 1 - nz.flip(-1).to(torch.uint8).argmax(-1)
-    lanes = lora_kernel.LANES
-    o0, o1 = first // lanes * lanes, ((last // lanes + 1) * lanes).clamp(max=out)
-    return torch.where(nz.any(-1)[..., None], torch.stack((o0, o1), -1), 0).to(torch.int32).contiguous()
+    bounds: tuple[dict[str, torch.Tensor], ...] = ()  # per layer, group → [S, R, 2] (with the kernel: `lora_kernel.column_bounds`)
 
 
 def build_stack(adapters: list[Adapter], *, kernel: lora_kernel.Kernel | None = None) -> Stack:
@@ -251,7 +242,7 @@ def build_stack(adapters: list[Adapter], *, kernel: lora_kernel.Kernel | None = 
                     bt[slot, : p.a.shape[0]] = p.b.t()
             groups[group] = (at, bt)
         layers.append(groups)
-    bounds = tuple({g: _bounds(bt) for g, (_, bt) in groups.items()} for groups in layers) if kernel is not None else ()
+    bounds = tuple({g: lora_kernel.column_bounds(bt) for g, (_, bt) in groups.items()} for groups in layers) if kernel is not None else ()
     return Stack({a.key: slot for slot, a in enumerate(adapters)}, tuple(layers), kernel, bounds)
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DTYPES", "LANES", "Kernel", "load"]
+__all__ = ["DTYPES", "LANES", "Kernel", "column_bounds", "load"]
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +68,25 @@ class Kernel:
         self._fns[y.dtype](y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), order.data_ptr(), starts.data_ptr(), starts.numel() - 1, at.data_ptr(), bt.data_ptr(), bounds.data_ptr(), at.shape[1], at.shape[2], bt.shape[2], torch.get_num_threads())
 
 
+def column_bounds(bt: torch.Tensor) -> torch.Tensor:
+    """`Kernel.add`'s `bounds`: per (slot, rank) of B^T [S, R, out] the columns [o0, o1) holding its non-zeros,
+    rounded out to multiples of `LANES` (o1 at most out); [0, 0) for an all-zero one."""
+    nz = bt != 0
+    out = bt.shape[-1]
+    first = nz.to(torch.uint8).argmax(-1)
+    last = out - 1 - nz.flip(-1).to(torch.uint8).argmax(-1)
+    o0, o1 = first // LANES * LANES, ((last // LANES + 1) * LANES).clamp(max=out)
+    return torch.where(nz.any(-1)[..., None], torch.stack((o0, o1), -1), 0).to(torch.int32).contiguous()
+
+
 def load(march: str = "native") -> Kernel | None:
     """The kernel, built here first if this source, compiler, CPU and `march` have none in the cache; None
     (with the reason logged) where it cannot be built. Every element's sums run in one order whatever the
     vector width, so a build for an older `march` (e.g. "haswell": AVX2) gives the same bits."""
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    named = os.environ.get("CXX", "g++")
+    compiler = shutil.which(named)
     if compiler is None:
-        log.info("LoRA adapters multiply through torch.bmm: no C++ compiler (%s) to build %s", os.environ.get("CXX", "g++"), SOURCE.name)
+        log.info("LoRA adapters multiply through torch.bmm: no C++ compiler (%s) to build %s", named, SOURCE.name)
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout

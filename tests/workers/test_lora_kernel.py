@@ -34,7 +34,7 @@ def stack(dtype: torch.dtype, *, slots: int = 3, seed: int = 0) -> tuple[torch.T
     at[:, :, 16:32] = torch.randn(slots, IN, 16, generator=g)
     bt[:, :5, :24] = torch.randn(slots, 5, 24, generator=g)
     bt[:, 16:32, 24:] = torch.randn(slots, 16, OUT - 24, generator=g)
-    return at.to(dtype), bt.to(dtype), lora._bounds(bt.to(dtype))
+    return at.to(dtype), bt.to(dtype), lora_kernel.column_bounds(bt.to(dtype))
 
 
 def listed(slot_rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +52,7 @@ def test_bounds_cover_each_ranks_non_zero_columns_rounded_out_to_the_lanes() -> 
     assert bounds[0, 16].tolist() == [16, 72]  # columns 24:72 from 16, the end at `out`
     bt = torch.zeros(1, 1, 100)
     bt[0, 0, 37] = 1.0
-    assert lora._bounds(bt)[0, 0].tolist() == [32, 48]
+    assert lora_kernel.column_bounds(bt)[0, 0].tolist() == [32, 48]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
