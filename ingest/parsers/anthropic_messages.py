@@ -4,7 +4,11 @@ Owns: the mapping of Messages fields onto the IR. A `tool_result` block becomes 
 (in block order), `tool_use` blocks become the assistant turn's `ToolCall`s (arguments: the JSON text of
 `input`), a signed `thinking` block becomes sealed reasoning (opened by the API node, shared.seal; an
 unsigned one is dropped, as is `redacted_thinking`). `system`-role entries inside `messages` (sent by
-recent Claude Code) are kept where they stand. `thinking` and `output_config.effort` become the IR's
+recent Claude Code) are kept where they stand. A `x-anthropic-billing-header:` line in the system prompt
+(Claude Code's attribution, its own first system block, whose version suffix and `cch` change between
+conversations or even requests) is dropped as Anthropic's API lifts it: it means nothing to a model, and
+at the very front of the prompt it would keep every conversation from sharing the cached system prompt
+and tools (`BILLING_LINE`). `thinking` and `output_config.effort` become the IR's
 `Thinking` (the reasoning budget); unknown fields are ignored (so `context_management`, `container`,
 `mcp_servers`, `service_tier`, `cache_control` anywhere, and the beta query and headers all pass). Client
 tools (no `type`, or `custom`) are offered to the model; typed server tools (`web_search_20250305`,
@@ -21,6 +25,7 @@ Must not: do I/O, render templates, or decide whether the model accepts images (
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -37,6 +42,7 @@ THINKING_TYPES = ("enabled", "disabled", "adaptive")
 EFFORTS = tuple(EFFORT_BUDGETS)
 MAX_MESSAGES = 2048
 MAX_TOOLS = 128
+BILLING_LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*(?:\n|$)", re.MULTILINE)
 
 
 def parse(body: Any, *, request_id: str, created: float) -> Request:
@@ -93,7 +99,8 @@ def _system(value: Any) -> list[Message]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [Message(role=Role.SYSTEM, content=(TextPart(text=value),))] if value else []
+        text = _without_billing_line(value)
+        return [Message(role=Role.SYSTEM, content=(TextPart(text=text),))] if text else []
     parts: list[ContentPart] = []
     for i, block in enumerate(f.array(value, "system")):
         b = f.obj(block, f"system[{i}]")
@@ -101,8 +108,16 @@ def _system(value: Any) -> list[Message]:
             raise invalid(
                 f"Invalid value: {b.get('type')!r}. The system prompt accepts only 'text' blocks.", f"system[{i}].type", "invalid_value"
             )
-        parts.append(TextPart(text=f.string(f.require(b, "text", f"system[{i}].text"), f"system[{i}].text")))
+        given = f.string(f.require(b, "text", f"system[{i}].text"), f"system[{i}].text")
+        text = _without_billing_line(given)
+        if text or not given:
+            parts.append(TextPart(text=text))
     return [Message(role=Role.SYSTEM, content=tuple(parts))] if parts else []
+
+
+def _without_billing_line(text: str) -> str:
+    """The system text without Claude Code's attribution line (see the module docstring)."""
+    return BILLING_LINE.sub("", text) if "x-anthropic-billing-header:" in text else text
 
 
 def _message(value: Any, param: str) -> list[Message]:

@@ -90,9 +90,16 @@ def test_claude_codes_requests_are_answered_without_streaming(agents_server: Liv
 
 
 def test_claude_codes_cache_marked_prompt_is_read_from_the_prefix_cache_and_reported(agents_server: LiveServer) -> None:
+    """The second request is as another conversation (or a later Claude Code's next request) sends it: its
+    first system block, the attribution line, has another version suffix and a `cch` nonce. The server
+    drops that line (ingest.parsers.anthropic_messages), so the system prompt and tools are still read
+    from the cache; kept, the prompts would part at their ~10th token."""
     record = recorded(CLAUDE[1])
     url, body = f"{agents_server.base_url}{record['path']}", {**record["body"], "stream": False}
-    usages = [httpx.post(url, params=record["query"], headers=record["headers"], json=body, timeout=600).json()["usage"] for _ in range(2)]
+    header = body["system"][0]["text"]
+    assert header.startswith("x-anthropic-billing-header: cc_version=2.1.332.")
+    other = {**body, "system": [{**body["system"][0], "text": "x-anthropic-billing-header: cc_version=2.1.332.e07; cc_entrypoint=sdk-cli; cch=5b1f2;"}, *body["system"][1:]]}
+    usages = [httpx.post(url, params=record["query"], headers=record["headers"], json=b, timeout=600).json()["usage"] for b in (body, other)]
     again = usages[1]  # the first may have filled the cache; the second reads all but the last, partial block
     assert again["cache_read_input_tokens"] > 12000 and again["cache_creation_input_tokens"] == 0
     assert again["input_tokens"] + again["cache_read_input_tokens"] == usages[0]["input_tokens"] + usages[0]["cache_read_input_tokens"]

@@ -73,6 +73,21 @@ def test_a_system_string_and_system_blocks_become_one_leading_system_message() -
     assert parsed(body(system="")).messages == (user("Hi"),)
 
 
+def test_claude_codes_attribution_line_is_dropped_from_the_system_prompt_and_nothing_else() -> None:
+    """Claude Code's first system block is `x-anthropic-billing-header: cc_version=<v>.<hash>; ...` whose
+    suffix changes between conversations (and its `cch=` between requests): kept, no two conversations
+    would share a cached prefix (tests/e2e/test_agent_fixtures.py shows the cache hit it gives)."""
+    header = "x-anthropic-billing-header: cc_version=2.1.332.1c9; cc_entrypoint=sdk-cli; cch=36ee5;"
+    blocks = [{"type": "text", "text": header}, {"type": "text", "text": "You are Claude Code."}]
+    assert parsed(body(system=blocks)).messages[0] == Message(role=Role.SYSTEM, content=(TextPart(text="You are Claude Code."),))
+    assert parsed(body(system=f"{header}\nYou are Claude Code.")).messages[0] == Message(role=Role.SYSTEM, content=(TextPart(text="You are Claude Code."),))
+    assert parsed(body(system=header)).messages == (user("Hi"),)
+    kept = "Quote it: x-anthropic-billing-header: is a line Claude Code sends."  # not at a line's start
+    assert parsed(body(system=kept)).messages[0] == Message(role=Role.SYSTEM, content=(TextPart(text=kept),))
+    in_a_turn = [{"role": "user", "content": header}]
+    assert parsed(body(messages=in_a_turn)).messages == (user(header),)  # only the system prompt is Claude Code's
+
+
 def test_system_role_entries_inside_messages_are_kept_in_place() -> None:
     messages = [
         {"role": "system", "content": [{"type": "text", "text": "Reminder."}]},
