@@ -23,14 +23,20 @@ the linear layers are library GEMMs, and two of them do not keep it by themselve
   cost 7.9 ms. `--no-row-invariant` keeps the single call (faster prefill, no promise).
 
 `calls_for` is probed, not looked up: whether a bf16 GEMM is row-invariant depends on the CPU, on the
-oneDNN inside the pinned torch and on `ONEDNN_MAX_CPU_ISA`, so the worker measures it once (a few
-milliseconds) and logs and reports what it found (`describe`). Hand-written because no library chooses
+oneDNN inside the pinned torch and on `ONEDNN_MAX_CPU_ISA`, so the worker measures it and logs and
+reports what it found (`describe`). A probe of SmolLM2's five shapes takes ~2.3 s of a worker's start (the
+576x49152 head most), so each finding is kept on disk (`$METRALE_BUILD_CACHE/gemm-probe/`, like the LoRA
+kernel's build) under a key of everything the measurement depends on (`_probe_key`: this module's source,
+torch's version and build configuration, the CPU's model and flags, the GEMM environment variables, the
+thread count, the shape and kind): a later worker on the same machine and torch reads it instead. Hand-written because no library chooses
 GEMM row blocking for reproducibility on CPU (vLLM's batch-invariant mode is CUDA kernels).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +49,7 @@ PROBE_MAX = 64  # rows a probe multiplies
 PROBE_SIZES = (1, 2, 3, 4, 5, 7, 8, 16, 31, 32, 33, 48, 64)  # call sizes it compares with each row alone (33: the first past AMX's 32)
 FLOORS = (1, 2, 4, 8)  # the least rows per call tried, smallest first
 LIMITS = (32, 16, 8, 4, 2, 1)  # the most rows per call tried, largest first
+GEMM_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE", "OMP_NUM_THREADS")
 
 
 def pin_environment() -> None:
@@ -61,8 +68,44 @@ BF16, F32 = "bf16", "f32"
 
 def _probe(k: int, n: int, kind: str) -> Calls:
     if (k, n, kind) not in _FOUND:
-        _FOUND[k, n, kind] = _measure(k, n, kind)
+        _FOUND[k, n, kind] = _stored(k, n, kind)
     return _FOUND[k, n, kind]
+
+
+def _stored(k: int, n: int, kind: str) -> Calls:
+    """`_measure`'s answer from the probe cache (see the module docstring), measured and kept on a miss.
+    A cache that cannot be read or written is measured around (the answer is the same, only slower)."""
+    path = probe_cache() / f"{_probe_key(k, n, kind)}.json"
+    try:
+        lo, hi = json.loads(path.read_text())
+        return int(lo), None if hi is None else int(hi)
+    except (OSError, ValueError, TypeError):
+        pass
+    calls = _measure(k, n, kind)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(list(calls)))
+        temporary.replace(path)  # atomic: workers starting together never read half a file
+    except OSError:
+        pass
+    return calls
+
+
+def probe_cache() -> Path:
+    return Path(os.environ.get("METRALE_BUILD_CACHE") or Path.home() / ".cache" / "metrale-build") / "gemm-probe"
+
+
+def _probe_key(k: int, n: int, kind: str) -> str:
+    """A hash of what `_measure`'s answer depends on: which GEMM kernels oneDNN and MKL pick follows the
+    CPU (model, flags), the libraries (torch's version and build), their environment and the threads."""
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = [line for line in cpuinfo.split("\n\n")[0].splitlines() if line.startswith(("vendor_id", "cpu family", "model", "stepping", "flags"))]
+    env = [f"{name}={os.environ.get(name, '')}" for name in GEMM_ENV]
+    parts = [Path(__file__).read_text(), torch.__version__, torch.__config__.show(), *cpu, *env, f"threads={torch.get_num_threads()}", f"{k}x{n} {kind}"]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
 def _measure(k: int, n: int, kind: str = BF16) -> Calls:
