@@ -150,12 +150,13 @@ class ChatStreamEncoder(DoneOnce):
         if isinstance(delta, Content | Reasoning):
             frames += self._text_chunk(delta)
         elif isinstance(delta, Refusal):
-            frames.append(self._chunk({"refusal": delta.text}))
+            frames.append(self._chunk({"refusal": delta.text}, extra=self._token_extra(delta.token_ids)))
         elif isinstance(delta, ToolCallStart):
             call = {"index": delta.index, "id": delta.id, "type": "function", "function": {"name": delta.name, "arguments": ""}}
-            frames.append(self._chunk({"tool_calls": [call]}))
+            frames.append(self._chunk({"tool_calls": [call]}, extra=self._token_extra(delta.token_ids)))
         elif isinstance(delta, ToolCallArgs):
-            frames.append(self._chunk({"tool_calls": [{"index": delta.index, "function": {"arguments": delta.arguments}}]}))
+            call = {"index": delta.index, "function": {"arguments": delta.arguments}}
+            frames.append(self._chunk({"tool_calls": [call]}, extra=self._token_extra(delta.token_ids)))
         elif isinstance(delta, Finish):
             frames.append(self._chunk({}, finish_reason=delta.reason.openai, extra={**stop_reason(delta), **(self._token_extra(delta.token_ids) or {})}))
             if self._closes:

@@ -2,8 +2,8 @@
 `StreamDelta`s they carry, enough for `shared.dumps.compare` (text, generated token ids, finish reason).
 Each protocol's codec row names its reader (encoders.registry); `met replay --against` reads with it.
 
-Where token ids appear: chat puts `token_ids` on each content / reasoning chunk and on the finish chunk
-(tool-call and refusal chunks carry none, so their tokens cannot be recovered); Anthropic puts them on
+Where token ids appear: chat puts `token_ids` on every chunk's choice (text, reasoning, refusal, tool
+call, finish; a chunk holds one call); Anthropic puts them on
 every `content_block_delta` and on `message_delta` (which flushes the rest); Responses on every text /
 arguments delta, and the terminal response holds the whole list.
 Must not: do I/O.
@@ -50,13 +50,15 @@ def chat(payload: dict[str, Any], _seen: list[StreamDelta]) -> list[StreamDelta]
         elif delta.get("reasoning_content") is not None:
             out.append(Reasoning(text=delta["reasoning_content"], token_ids=ids))
         elif delta.get("refusal") is not None:
-            out.append(Refusal(text=delta["refusal"]))
+            out.append(Refusal(text=delta["refusal"], token_ids=ids))
         for call in delta.get("tool_calls") or []:
             function = call.get("function") or {}
             if call.get("id"):
-                out.append(ToolCallStart(index=call["index"], id=call["id"], name=function.get("name", "")))
-            if function.get("arguments"):
-                out.append(ToolCallArgs(index=call["index"], arguments=function["arguments"]))
+                out.append(ToolCallStart(index=call["index"], id=call["id"], name=function.get("name", ""), token_ids=ids))
+                ids = ()
+            if function.get("arguments") or ids:
+                out.append(ToolCallArgs(index=call["index"], arguments=function.get("arguments") or "", token_ids=ids))
+                ids = ()
         if choice.get("finish_reason"):
             out.append(Finish(reason=_CHAT_REASONS[choice["finish_reason"]], usage=Usage(), token_ids=ids))
     return out
