@@ -5,6 +5,8 @@ overrides fields from flags with `dataclasses.replace`. Each field is declared o
 its default, the `met` commands that take it as a flag (cli/main.py generates every flag from this
 metadata) and its help text. A new setting is one line here. Variables: MET_<FIELD> in upper case
 (e.g. MET_PORT=9000); REDIS_URL is also accepted.
+
+Size (~430 lines): a table, one declaration per setting (about a hundred), and the few checks across them.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ q/k/v and gate/up are fused on the lean path: their A's are stacked and their B'
 what it gives us is the format, the config and the pattern rules.
 
 Must not: know the scheduler or Redis; load anything it has not checked (a bad file loads nothing).
+
+Size (~410 lines): one adapter's life on a worker (read, fuse, keep resident, multiply) on both forward
+paths; the gather-matmul kernel and the adapter checks live in modules of their own.
 """
 
 from __future__ import annotations

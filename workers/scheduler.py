@@ -32,6 +32,9 @@ Policy (continuous batching):
   re-prefills (recompute, as vLLM does), and generation continues exactly where it stopped, with no
   token emitted twice.
 Must not: import torch or touch Redis. Tests drive it with a fake runner.
+
+Size (~410 lines): the one policy above, whose parts (decode, prefill budget, admission, drafts,
+preemption) read and change the same running set in one step; split, each would need the others' state.
 """
 
 from __future__ import annotations
