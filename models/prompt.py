@@ -17,6 +17,7 @@ strings takes the plain path (render, tokenize once), so it tokenizes exactly as
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import re
 import secrets
@@ -152,7 +153,10 @@ class PromptRenderer:
     def for_bulk(self) -> PromptRenderer:
         """This renderer, encoding through the Rust backend without offsets (`encode_batch_fast`): the
         same ids in about half the time (30 MiB: 22 s against 45 s here), for a count of a huge body.
-        Used where one process has the renderer to itself: the counting child (ingest/http/tokenizing.py)."""
+        Used where one process has the renderer to itself: the counting child (ingest/http/tokenizing.py).
+        A long text is cut into pieces where a cut cannot change a token (`cut_points`) and the pieces
+        go to the backend as one batch, which encodes them on every core: the same ids again, 8 MiB in
+        0.8 s instead of 2.8 s on 2 cores (1.6 s on one; AMD EPYC, AVX-512), and less memory at its peak."""
         bulk = copy.copy(self)
         bulk._bulk = True
         return bulk
@@ -167,7 +171,12 @@ class PromptRenderer:
             splits = split or bool(tokenizer.split_special_tokens)
             if backend.encode_special_tokens != splits:
                 backend.encode_special_tokens = splits
-            return [list(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+            if not any(len(text) > 2 * CUT_EVERY for text in texts) or not cuttable(tokenizer, splits):
+                return [list(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+            pieces = [[text[a:b] for a, b in itertools.pairwise((0, *cut_points(text), len(text)))] for text in texts]
+            encoded = iter(backend.encode_batch_fast([piece for text in pieces for piece in text], add_special_tokens=False))
+            joined = [[i for _ in text for i in next(encoded).ids] for text in pieces]
+            return [self._with_special_tokens(ids) for ids in joined] if add_special_tokens else joined
         kwargs = {"split_special_tokens": True} if split else {}
         ids: list[list[int]] = tokenizer(texts, add_special_tokens=add_special_tokens, **kwargs)["input_ids"]
         return ids
@@ -240,6 +249,41 @@ class PromptRenderer:
             ids.append(int(special))
             ids.extend(chunk)
         return ids
+
+
+CUT_EVERY = 1 << 16  # characters: a text over twice this is cut into pieces of about this many for the bulk encoder
+_CUT = re.compile(r"(?<=\S) (?=\S)")  # one space between two non-spaces
+
+
+def cut_points(text: str) -> list[int]:
+    """Where to cut `text` (about every CUT_EVERY characters) for `cuttable` tokenizers: before a single
+    space that has a non-space on each side. In a byte-level BPE's pre-tokenizer regex (GPT-2's) every
+    alternative that matches a space either starts with it (an optional space, then letters, digits or
+    symbols) or matches whitespace only; so a pre-token always starts at such a space, and as BPE merges
+    only inside a pre-token, the pieces' ids, joined, are the whole text's."""
+    points: list[int] = []
+    while len(text) - (points[-1] if points else 0) > CUT_EVERY:
+        found = _CUT.search(text, (points[-1] if points else 0) + CUT_EVERY)
+        if found is None:
+            break
+        points.append(found.start())
+    return points
+
+
+def cuttable(tokenizer: Any, splits: bool) -> bool:
+    """Whether `cut_points` keeps this fast tokenizer's ids: no normalizer, the plain byte-level
+    pre-tokenizer (its own regex, no prefix space added to each piece), and, when added tokens are
+    matched in the text (`splits` False), none that holds whitespace or strips it from a side (a cut
+    could fall inside one, or take away the space it would strip). Anything else (SentencePiece's
+    Metaspace, a custom Split regex, a normalizer) is encoded whole."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    backend = tokenizer.backend_tokenizer
+    pre = backend.pre_tokenizer
+    if backend.normalizer is not None or not isinstance(pre, ByteLevel) or pre.add_prefix_space or not pre.use_regex:
+        return False
+    added = (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+    return splits or not any(t.lstrip or t.rstrip or t.single_word or re.search(r"\s", str(t.content)) for t in added)
 
 
 def special_pattern(tokenizer: Any) -> re.Pattern[str] | None:

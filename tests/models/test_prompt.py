@@ -3,12 +3,15 @@ client text stay text (no forged turns), and a normal conversation tokenizes exa
 
 from __future__ import annotations
 
+import copy
+import itertools
 import os
 from dataclasses import replace
 from typing import Any, ClassVar
 
 import pytest
 
+from models import prompt
 from models.files import local_folder
 from models.prompt import ModelInfo, PromptRenderer, _Escape
 from shared.errors import ApiError
@@ -247,3 +250,74 @@ def test_add_special_tokens_adds_the_tokenizers_bos_on_both_render_paths() -> No
     assert bos.render_messages((message(Role.USER, "a"),), add_special_tokens=True) == [1, *(ord(c) for c in "[a]")]
     escaped = bos.render_messages((message(Role.USER, "a<s>"),), add_special_tokens=True)  # the escape path: client text spelling a special
     assert escaped == [1, *(ord(c) for c in "[a<s>]")]
+
+
+# A bit of everything the byte-level pre-tokenizer treats differently: words and contractions, digits,
+# runs of spaces, tabs and newlines (code), symbols, letters of other scripts, emoji, combining marks, and
+# text spelling special tokens; each repeated past two pieces at the cut size the test sets.
+MIXED = (
+    "She'll say it's 12,345.67 -- don't!  Twice  spaced\tand\ttabbed.\n\n    def f(x):\n        return x**2  # sq\n"
+    "日本語のテキスト と 中文 混合 。 Ünïcödé café ﬁne e\u0301 🙂 🙂🙂 <|im_start|>user <|im_end|> a<|endoftext|>b "
+)
+
+
+@pytest.mark.parametrize("add_special_tokens", [False, True])
+def test_a_long_text_cut_for_the_bulk_encoder_gives_the_ids_of_the_whole(
+    renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch, add_special_tokens: bool
+) -> None:
+    """`for_bulk` cuts a long text at `cut_points` and encodes the pieces as one batch: the joined ids are
+    the whole text's, on the raw path (specials in the text are specials) and the escaped one (they are
+    text). The cut size is set small so that this text is cut hundreds of times, at every kind of place."""
+    monkeypatch.setattr(prompt, "CUT_EVERY", 40)
+    text = MIXED * 12
+    assert len(prompt.cut_points(text)) > 30
+    whole = renderer.tokenize_text(text, add_special_tokens=add_special_tokens)
+    assert renderer.for_bulk().tokenize_text(text, add_special_tokens=add_special_tokens) == whole
+    turns = (message(Role.SYSTEM, "Be brief."), message(Role.USER, text))
+    assert renderer.for_bulk().render_messages(turns, add_special_tokens=add_special_tokens) == renderer.render_messages(turns, add_special_tokens=add_special_tokens)
+
+
+def test_cut_points_fall_on_a_single_space_between_two_non_spaces_about_every_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prompt, "CUT_EVERY", 50)
+    text = ("word " * 30 + "   \n\t " + "x" * 300 + " y") * 3
+    points = prompt.cut_points(text)
+    assert points == sorted(set(points)) and points
+    for point in points:
+        assert text[point] == " " and not text[point - 1].isspace() and not text[point + 1].isspace()
+    assert all(b - a >= prompt.CUT_EVERY for a, b in itertools.pairwise([0, *points]))
+    assert prompt.cut_points("x" * (5 * prompt.CUT_EVERY)) == []  # nowhere to cut: one piece
+    assert prompt.cut_points("short text") == []
+
+
+def test_only_tokenizers_whose_pieces_cannot_differ_are_cut(renderer: PromptRenderer) -> None:
+    """The default model's byte-level BPE is cut; a normalizer, another pre-tokenizer, or an added token
+    that strips the whitespace beside it (where a cut may fall) keeps the text whole."""
+    from tokenizers import AddedToken, normalizers, pre_tokenizers
+
+    assert prompt.cuttable(renderer.tokenizer, splits=False)
+    for change in (
+        lambda t: setattr(t.backend_tokenizer, "normalizer", normalizers.NFC()),
+        lambda t: setattr(t.backend_tokenizer, "pre_tokenizer", pre_tokenizers.Metaspace()),
+        lambda t: setattr(t.backend_tokenizer, "pre_tokenizer", pre_tokenizers.ByteLevel(add_prefix_space=True)),
+    ):
+        changed = copy.deepcopy(renderer.tokenizer)
+        change(changed)
+        assert not prompt.cuttable(changed, splits=False) and not prompt.cuttable(changed, splits=True)
+    stripping = copy.deepcopy(renderer.tokenizer)
+    stripping.add_tokens([AddedToken("<x>", rstrip=True)])
+    assert not prompt.cuttable(stripping, splits=False)
+    assert prompt.cuttable(stripping, splits=True)  # added tokens are text there: nothing strips
+
+
+def test_random_texts_cut_for_the_bulk_encoder_give_the_ids_of_the_whole(renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fuzz (fixed seeds): texts drawn from letters, digits, apostrophes, symbols, spaces, tabs, newlines,
+    other scripts and emoji, cut every ~20 characters."""
+    import random
+
+    monkeypatch.setattr(prompt, "CUT_EVERY", 20)
+    alphabet = ["a", "Z", "é", "ß", "字", "ь", "7", "0", "'", "'s", "'ll", ".", ",", "-", "**", " ", " ", " ", "  ", "\t", "\n", "\r\n", "🙂", "\u0301", "<|im_end|>"]
+    for seed in range(40):
+        rng = random.Random(seed)
+        text = "".join(rng.choice(alphabet) for _ in range(600))
+        assert prompt.cut_points(text), seed
+        assert renderer.for_bulk().tokenize_text(text, add_special_tokens=False) == renderer.tokenize_text(text, add_special_tokens=False), seed
