@@ -9,8 +9,10 @@ import contextlib
 import gc
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -178,6 +180,18 @@ def agents_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServ
     server = start_server(tmp_path_factory.mktemp("agents"), "--workers", "1", *args, env={"MET_ACCEPT_ANY_MODEL": "0"})
     yield server
     stop_server(server)
+
+
+@pytest.fixture
+def fixed_home() -> Iterator[Path]:
+    """The same HOME and working folder every run: both CLIs put their paths into the prompt, and a greedy
+    135M model's answer to a 12k-token prompt changes with them; a fixed prompt (but for the date, which
+    the CLIs also write and the recorded turns answer the same way with any date) gives a fixed turn."""
+    root = Path(tempfile.gettempdir()) / "metrale-agent-clis"
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "work").mkdir(parents=True)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def http_errors(server: LiveServer) -> dict[str, float]:

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,18 +46,6 @@ def agent(name: str, install: str = "newest") -> str:
     version = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"], "HOME": "/tmp"})
     assert version.stdout.strip() == pinned[name], f"{name} is not the pinned version: {version.stdout or version.stderr}"
     return str(path)
-
-
-@pytest.fixture
-def fixed_home() -> Iterator[Path]:
-    """The same HOME and working folder every run: both CLIs put their paths into the prompt, and a greedy
-    135M model's answer to a 12k-token prompt changes with them; a fixed prompt (but for the date, which
-    the CLIs also write and the recorded turns answer the same way with any date) gives a fixed turn."""
-    root = Path(tempfile.gettempdir()) / "metrale-agent-clis"
-    shutil.rmtree(root, ignore_errors=True)
-    (root / "work").mkdir(parents=True)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def base_env(home: Path) -> dict[str, str]:
