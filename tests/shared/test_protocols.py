@@ -11,8 +11,9 @@ from shared.ir import Protocol
 
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The registry as it is, restored after the test (a test's registrations do not leak)."""
+    """The registry and the protocol names as they are, restored after the test (nothing it defines leaks)."""
     monkeypatch.setattr(protocols, "_SPECS", dict(protocols._SPECS))
+    monkeypatch.setattr(Protocol, "_known", dict(Protocol._known))
 
 
 def test_the_four_built_in_protocols_have_distinct_routes_and_names() -> None:
