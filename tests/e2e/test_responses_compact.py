@@ -18,10 +18,9 @@ from shared.codec import decode_request, deltas_of
 from shared.deltas import Content
 
 from ..conftest import LiveServer, http_errors
-from .test_agent_clis import PROMPT, agent, base_env, fixed_home, requests_logged, run_cli
+from .test_agent_clis import PROMPT, agent, base_env, requests_logged, run_cli
 
 pytestmark = pytest.mark.e2e
-__all__ = ["fixed_home"]  # the agent tests' fixture, used here
 
 # A 3-turn conversation whose assistant turns and tool output are marked, so the prompt can be searched for them.
 HISTORY: list[Any] = [
