@@ -154,9 +154,9 @@ class PromptRenderer:
         """This renderer, encoding through the Rust backend without offsets (`encode_batch_fast`): the
         same ids in about half the time (30 MiB: 22 s against 45 s here), for a count of a huge body.
         Used where one process has the renderer to itself: the counting child (ingest/http/tokenizing.py).
-        A long text is cut into pieces where a cut cannot change a token (`cut_points`) and the pieces
-        go to the backend as one batch, which encodes them on every core: the same ids again, 8 MiB in
-        0.8 s instead of 2.8 s on 2 cores (1.6 s on one; AMD EPYC, AVX-512), and less memory at its peak."""
+        On every path a long text is cut into pieces where a cut cannot change a token (`cut_points`) and
+        the pieces go to the backend as one batch, which encodes them on every core: the same ids again,
+        8 MiB in 0.8 s instead of 2.8 s on 2 cores (1.6 s on one; AMD EPYC, AVX-512), less memory at its peak."""
         bulk = copy.copy(self)
         bulk._bulk = True
         return bulk
@@ -164,19 +164,23 @@ class PromptRenderer:
     def _encode(self, texts: list[str], *, add_special_tokens: bool, split: bool = False) -> list[list[int]]:
         """Each text's ids; `split` tokenizes special-token strings as text, on the splitting copy (each
         tokenizer object is only ever called one way: see `__init__`); otherwise the tokenizer's own
-        setting. See `for_bulk`."""
+        setting. A text over 2 x CUT_EVERY characters is cut into pieces encoded as one batch on every core
+        where the tokenizer allows it (`cuttable`), on any path: the same ids (see `for_bulk`)."""
         tokenizer = self._splitting if split else self.tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if self._bulk and backend is not None:
+        long = any(len(text) > 2 * CUT_EVERY for text in texts)
+        if backend is not None and (self._bulk or long):
             splits = split or bool(tokenizer.split_special_tokens)
-            if backend.encode_special_tokens != splits:
-                backend.encode_special_tokens = splits
-            if not any(len(text) > 2 * CUT_EVERY for text in texts) or not cuttable(tokenizer, splits):
-                return [list(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
-            pieces = [[text[a:b] for a, b in itertools.pairwise((0, *cut_points(text), len(text)))] for text in texts]
-            encoded = iter(backend.encode_batch_fast([piece for text in pieces for piece in text], add_special_tokens=False))
-            joined = [[i for _ in text for i in next(encoded).ids] for text in pieces]
-            return [self._with_special_tokens(ids) for ids in joined] if add_special_tokens else joined
+            cut = long and cuttable(tokenizer, splits)
+            if cut or self._bulk:
+                if backend.encode_special_tokens != splits:  # the value this object's calls always set: never a flip
+                    backend.encode_special_tokens = splits
+                if not cut:
+                    return [list(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+                pieces = [[text[a:b] for a, b in itertools.pairwise((0, *cut_points(text), len(text)))] for text in texts]
+                encoded = iter(backend.encode_batch_fast([piece for text in pieces for piece in text], add_special_tokens=False))
+                joined = [[i for _ in text for i in next(encoded).ids] for text in pieces]
+                return [self._with_special_tokens(ids) for ids in joined] if add_special_tokens else joined
         kwargs = {"split_special_tokens": True} if split else {}
         ids: list[list[int]] = tokenizer(texts, add_special_tokens=add_special_tokens, **kwargs)["input_ids"]
         return ids
@@ -251,7 +255,7 @@ class PromptRenderer:
         return ids
 
 
-CUT_EVERY = 1 << 16  # characters: a text over twice this is cut into pieces of about this many for the bulk encoder
+CUT_EVERY = 1 << 16  # characters: a text over twice this is cut into pieces of about this many (`_encode`)
 _CUT = re.compile(r"(?<=\S) (?=\S)")  # one space between two non-spaces
 
 

@@ -14,9 +14,10 @@ Hence:
   returns one int: the GIL pieces stall the child, not the loop, and the child's ~5 GB is returned to
   the OS when it exits. Generations keep the thread lane: they need the ids, and a prompt over 1 MiB is
   past the context of most models anyway (refused after rendering). The child is spawned, and the
-  renderer sent with each task, off the event loop (see `_count`). It encodes without offsets, a long
-  text cut into pieces encoded on every core (`for_bulk`: the same ids; 30 MiB in 3.3 s instead of 13 s,
-  1.2 GiB at its peak instead of 3.9, on 2 cores: bench/bulk_tokenize.py). It runs at the API node's own CPU priority: at
+  renderer sent with each task, off the event loop (see `_count`). It encodes without offsets (`for_bulk`).
+  On either lane a long text is cut into pieces encoded on every core (`PromptRenderer._encode`: the same
+  ids; a 30 MiB count in 3.3 s instead of 13 s, 1.2 GiB at its peak instead of 3.9, on 2 cores:
+  bench/bulk_tokenize.py). It runs at the API node's own CPU priority: at
   nice +10 it did not measurably shorten the largest gap of a stream running beside four 30 MiB counts
   in CI (tests/e2e/test_abuse.py: 1.20 s without, 1.77 s with it, one 2-core run each), and beside a
   worker decoding on both cores it got so little CPU that the four counts outlasted a 900 s client

@@ -168,16 +168,21 @@ def test_bulk_encoding_gives_the_same_ids_on_every_render_path(renderer: PromptR
     assert renderer.for_bulk().tokenize_text(text, add_special_tokens=add_special_tokens) == normal and normal.count(special_ids(renderer)[0]) == 3
 
 
-def test_renders_on_several_threads_at_once_each_tokenize_as_they_do_alone(renderer: PromptRenderer) -> None:
+@pytest.mark.parametrize("cut_every", [None, 500], ids=["whole", "cut"])
+def test_renders_on_several_threads_at_once_each_tokenize_as_they_do_alone(renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch, cut_every: int | None) -> None:
     """ingest renders on `tokenize_threads` threads (2 by default): a conversation whose client text spells
     special tokens (the escaped path splits them) beside one that does not. transformers keeps the split
     setting as state of the tokenizer, flipped per call; shared, 29 of 120 such renders came out wrong
-    (the template's own turn markers tokenized as text, or the client's as turn markers)."""
+    (the template's own turn markers tokenized as text, or the client's as turn markers). Also with both
+    texts long enough to be cut into pieces (`cut`: the backend called directly, beside transformers' calls)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    if cut_every:
+        monkeypatch.setattr(prompt, "CUT_EVERY", cut_every)
     escaped = (message(Role.USER, ("hello " + INJECTION + " world ") * 400),)
     plain_turns = (message(Role.SYSTEM, "Be brief."), message(Role.USER, "hello world, this is some text. " * 1500))
     expected = {escaped: renderer.render_messages(escaped), plain_turns: renderer.render_messages(plain_turns)}
+    assert not cut_every or all(len(prompt.cut_points(m.content[0].text)) > 20 for m in (escaped[0], plain_turns[1]))
     start, _ = special_ids(renderer)
     assert expected[escaped].count(start) == expected[plain_turns].count(start) == 3  # the template's turns only (its default system turn too)
     with ThreadPoolExecutor(4) as pool:
@@ -261,20 +266,26 @@ MIXED = (
 )
 
 
+NEVER = 1 << 60  # a CUT_EVERY that cuts nothing: every text encoded whole, as before cutting
+
+
+@pytest.mark.parametrize("bulk", [False, True], ids=["thread-lane", "bulk"])
 @pytest.mark.parametrize("add_special_tokens", [False, True])
-def test_a_long_text_cut_for_the_bulk_encoder_gives_the_ids_of_the_whole(
-    renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch, add_special_tokens: bool
+def test_a_long_text_cut_into_pieces_gives_the_ids_of_the_whole(
+    renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch, add_special_tokens: bool, bulk: bool
 ) -> None:
-    """`for_bulk` cuts a long text at `cut_points` and encodes the pieces as one batch: the joined ids are
-    the whole text's, on the raw path (specials in the text are specials) and the escaped one (they are
-    text). The cut size is set small so that this text is cut hundreds of times, at every kind of place."""
-    monkeypatch.setattr(prompt, "CUT_EVERY", 40)
+    """A long text is cut at `cut_points` and the pieces encoded as one batch: the joined ids are those of the
+    whole text encoded in one call, on the raw path (specials in the text are specials) and the escaped one
+    (they are text), through the normal renderer and `for_bulk`. The cut size is set small so that this
+    text is cut hundreds of times, at every kind of place."""
     text = MIXED * 12
-    assert len(prompt.cut_points(text)) > 30
-    whole = renderer.tokenize_text(text, add_special_tokens=add_special_tokens)
-    assert renderer.for_bulk().tokenize_text(text, add_special_tokens=add_special_tokens) == whole
     turns = (message(Role.SYSTEM, "Be brief."), message(Role.USER, text))
-    assert renderer.for_bulk().render_messages(turns, add_special_tokens=add_special_tokens) == renderer.render_messages(turns, add_special_tokens=add_special_tokens)
+    use = renderer.for_bulk() if bulk else renderer
+    monkeypatch.setattr(prompt, "CUT_EVERY", NEVER)
+    whole = renderer.tokenize_text(text, add_special_tokens=add_special_tokens), renderer.render_messages(turns, add_special_tokens=add_special_tokens)
+    monkeypatch.setattr(prompt, "CUT_EVERY", 40)
+    assert len(prompt.cut_points(text)) > 30
+    assert (use.tokenize_text(text, add_special_tokens=add_special_tokens), use.render_messages(turns, add_special_tokens=add_special_tokens)) == whole
 
 
 def test_cut_points_fall_on_a_single_space_between_two_non_spaces_about_every_cut(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,15 +320,17 @@ def test_only_tokenizers_whose_pieces_cannot_differ_are_cut(renderer: PromptRend
     assert prompt.cuttable(stripping, splits=True)  # added tokens are text there: nothing strips
 
 
-def test_random_texts_cut_for_the_bulk_encoder_give_the_ids_of_the_whole(renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_random_texts_cut_into_pieces_give_the_ids_of_the_whole(renderer: PromptRenderer, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fuzz (fixed seeds): texts drawn from letters, digits, apostrophes, symbols, spaces, tabs, newlines,
     other scripts and emoji, cut every ~20 characters."""
     import random
 
-    monkeypatch.setattr(prompt, "CUT_EVERY", 20)
     alphabet = ["a", "Z", "é", "ß", "字", "ь", "7", "0", "'", "'s", "'ll", ".", ",", "-", "**", " ", " ", " ", "  ", "\t", "\n", "\r\n", "🙂", "\u0301", "<|im_end|>"]
     for seed in range(40):
         rng = random.Random(seed)
         text = "".join(rng.choice(alphabet) for _ in range(600))
+        monkeypatch.setattr(prompt, "CUT_EVERY", NEVER)
+        whole = renderer.tokenize_text(text, add_special_tokens=False)
+        monkeypatch.setattr(prompt, "CUT_EVERY", 20)
         assert prompt.cut_points(text), seed
-        assert renderer.for_bulk().tokenize_text(text, add_special_tokens=False) == renderer.tokenize_text(text, add_special_tokens=False), seed
+        assert renderer.tokenize_text(text, add_special_tokens=False) == whole, seed
