@@ -92,8 +92,25 @@ def _stored(k: int, n: int, kind: str) -> Calls:
     return calls
 
 
+def build_cache(name: str) -> Path:
+    """`$METRALE_BUILD_CACHE/<name>` (default `~/.cache/metrale-build`): what a worker builds or measures once
+    per machine and keeps across starts (this probe's findings, the LoRA kernel)."""
+    return Path(os.environ.get("METRALE_BUILD_CACHE") or Path.home() / ".cache" / "metrale-build") / name
+
+
 def probe_cache() -> Path:
-    return Path(os.environ.get("METRALE_BUILD_CACHE") or Path.home() / ".cache" / "metrale-build") / "gemm-probe"
+    return build_cache("gemm-probe")
+
+
+@functools.cache
+def _machine() -> str:
+    """The part of `_probe_key` that cannot change in a process: this module's source, torch's version and
+    build configuration, and the CPU's identity and flags (read once, not once per probed shape)."""
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = [line for line in cpuinfo.split("\n\n")[0].splitlines() if line.startswith(("vendor_id", "cpu family", "model", "stepping", "flags"))]
+    return "\0".join([Path(__file__).read_text(), torch.__version__, torch.__config__.show(), *cpu])
 
 
 def _probe_key(k: int, n: int, kind: str) -> str:
@@ -101,10 +118,8 @@ def _probe_key(k: int, n: int, kind: str) -> str:
     CPU (model, flags), the libraries (torch's version and build), their environment and the threads."""
     import torch
 
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu = [line for line in cpuinfo.split("\n\n")[0].splitlines() if line.startswith(("vendor_id", "cpu family", "model", "stepping", "flags"))]
     env = [f"{name}={os.environ.get(name, '')}" for name in GEMM_ENV]
-    parts = [Path(__file__).read_text(), torch.__version__, torch.__config__.show(), *cpu, *env, f"threads={torch.get_num_threads()}", f"{k}x{n} {kind}"]
+    parts = [_machine(), *env, f"threads={torch.get_num_threads()}", f"{k}x{n} {kind}"]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from workers.kernels import build_cache
+
 __all__ = ["DTYPES", "LANES", "Kernel", "column_bounds", "load"]
 
 log = logging.getLogger(__name__)
@@ -104,7 +106,7 @@ def load(march: str = "native") -> Kernel | None:
 
 
 def _cache() -> Path:
-    return Path(os.environ.get("METRALE_BUILD_CACHE") or Path.home() / ".cache" / "metrale-build") / "lora-kernel"
+    return build_cache("lora-kernel")
 
 
 def _key(compiler_version: str, flags: tuple[str, ...]) -> str:
