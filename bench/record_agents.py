@@ -9,8 +9,15 @@ as tests/fixtures/agents/. Must not: talk to any real API, or keep a key in what
     .venv/bin/python bench/record_agents.py claude  /tmp/rec-claude   # needs ./dev setup's .tools/agents
     .venv/bin/python bench/record_agents.py codex   /tmp/rec-codex
     AGENTS_BIN=.tools/agents-older/node_modules/.bin .venv/bin/python bench/record_agents.py claude /tmp/rec-claude-old
+    RECORD_HOME=/tmp/metrale-agent-clis RECORD_MODEL=SmolLM2-135M-Instruct \
+      .venv/bin/python bench/record_agents.py claude /tmp/rec-claude "Say hello in five words"
     RECORD_CALL='{"name": "close_agent", "namespace": "multi_agent_v1", "arguments": "{}"}' \
       .venv/bin/python bench/record_agents.py codex /tmp/rec-ns     # the first turn's call, overridden
+
+RECORD_HOME runs the CLI in that fixed folder (kept as is in the recording, not scrubbed) and
+RECORD_MODEL names the model as the agent tests do (tests/e2e/test_agent_clis.py): with the tests' folder,
+model and prompt, Claude Code's recorded first turn renders to the very tokens its live full-mode run
+sends, so the server prefills that ~12k-token prompt once for both tests instead of twice.
 
 Then copy the files worth keeping into tests/fixtures/agents/<agent>/ (drop the `host` and
 `content-length` headers) and check them for anything local that `scrub()` missed.
@@ -21,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -185,20 +193,20 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def agent_env(home: Path, base_url: str) -> dict[str, str]:
-    """The environment both CLIs run under: a throwaway HOME, no telemetry, no updates, a dummy key."""
+    """The environment both CLIs run under: a throwaway HOME, no telemetry, no updates, a dummy key. With
+    RECORD_MODEL, the environment the agent tests give Claude Code instead (their `claude_env`: the model
+    name, the window, and no DISABLE_* switches, which change Claude Code's system prompt)."""
     keep = {k: os.environ[k] for k in ("PATH", "LANG", "TERM") if k in os.environ}
+    common = {**keep, "HOME": str(home), "CODEX_HOME": str(home / ".codex"), "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": "test",
+              "METRALE_API_KEY": "test", "NO_COLOR": "1"}
+    if model := os.environ.get("RECORD_MODEL"):
+        return {**common, "LANG": "C.UTF-8", "ANTHROPIC_MODEL": model, "CLAUDE_CODE_MAX_CONTEXT_TOKENS": "32768"}
     return {
-        **keep,
-        "HOME": str(home),
-        "CODEX_HOME": str(home / ".codex"),
-        "ANTHROPIC_BASE_URL": base_url,
-        "ANTHROPIC_API_KEY": "test",
-        "METRALE_API_KEY": "test",
+        **common,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_TELEMETRY": "1",
         "DISABLE_AUTOUPDATER": "1",
         "DISABLE_ERROR_REPORTING": "1",
-        "NO_COLOR": "1",
     }
 
 
@@ -222,8 +230,12 @@ def record(agent: str, out: Path, prompt: str = "Say hello") -> subprocess.Compl
     server = Recorder(out)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
+    fixed = os.environ.get("RECORD_HOME")
     with tempfile.TemporaryDirectory(prefix="agent-home-") as tmp:
-        home = Path(tmp)
+        home = Path(fixed or tmp)
+        if fixed:
+            shutil.rmtree(home, ignore_errors=True)
+            home.mkdir(parents=True)
         env = agent_env(home, base)
         work = home / "work"
         work.mkdir()
@@ -231,12 +243,12 @@ def record(agent: str, out: Path, prompt: str = "Say hello") -> subprocess.Compl
             cmd = claude_command(prompt)
         else:
             (home / ".codex").mkdir()
-            (home / ".codex" / "config.toml").write_text(codex_config(base, "recorded-model"))
+            (home / ".codex" / "config.toml").write_text(codex_config(base, os.environ.get("RECORD_MODEL", "recorded-model")))
             cmd = codex_command(prompt, work)
         done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
         server.shutdown()
         for path in out.glob("*.json"):
-            path.write_text(scrub(path.read_text(), home=str(home)))
+            path.write_text(scrub(path.read_text(), home=tmp))
     return done
 
 

@@ -1,7 +1,10 @@
 """The requests Claude Code 2.1.332 and Codex 0.171.0 really send (tests/fixtures/agents/, recorded with
 bench/record_agents.py) are accepted by a live server, streamed and not, and what comes back passes the
 official SDKs' stream accumulators and response types. Every recorded field, header and query is sent
-as recorded; the server's --max-output-tokens keeps generation short (agents ask for 32k-128k tokens)."""
+as recorded; the server's --max-output-tokens keeps generation short (agents ask for 32k-128k tokens).
+Claude Code's turns were recorded in the agent tests' fixed folder with their model name and prompt
+(bench/record_agents.py, RECORD_HOME / RECORD_MODEL), so its first turn is the very prompt that
+test_agent_clis.py's full-mode run sends: the server prefills those ~12k tokens once for both."""
 
 from __future__ import annotations
 
