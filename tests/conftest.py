@@ -5,7 +5,9 @@ The live server is started once per session as a subprocess, exactly as a user w
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import gc
 import os
 import re
@@ -47,6 +49,38 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("e2e") or REDIS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.redis)
+
+
+# `./dev test` runs the suite on pytest-xdist workers. A module's tests stay on one worker (its module-scoped
+# servers start once), and so do the modules whose tests take a session fixture where sharing is the point:
+# the agent server (Claude Code's ~12k-token prompt, prefilled once and read from the prefix cache by the
+# next test) with its fixed home folder, and the 20 recorded requests `met dump` / `met replay` read. Other
+# session fixtures are per worker (each worker starts its own live server).
+SHARED_GROUPS = {"agents": frozenset({"agents_server", "fixed_home"}), "recorded": frozenset({"recorded"})}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduler with these groups. (Its own `--dist loadgroup` marks groups by renaming each
+    test's node id, which pytest 9's node ids no longer allow; the scheduler only sees node ids, so the
+    groups are read from the test modules' source here.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return shared_group(ROOT / module) or module
+
+    return Groups(config, log)
+
+
+@functools.cache
+def shared_group(module: Path) -> str | None:
+    """The SHARED_GROUPS group of a test module one of whose tests takes that group's fixtures, if any."""
+    taken: set[str] = set()
+    for node in ast.walk(ast.parse(module.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test_"):
+            taken.update(arg.arg for arg in node.args.args)
+    return next((name for name, fixtures in SHARED_GROUPS.items() if fixtures & taken), None)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -282,9 +282,9 @@ def test_a_keys_stored_records_are_capped_by_dropping_its_oldest_finished_ones(s
     finished records are dropped (their IR, meta and deltas gone early, counted in /metrics), the newest
     stay, and key A's records are untouched."""
     r = server.redis()
-    text = "hello world, this is some text. " * 750  # ~24 KB, one prompt (its prefill is cached after the first)
-    with oai(server, KEY_A) as a:
-        theirs = a.chat.completions.create(model="m", messages=[{"role": "user", "content": text}], max_tokens=1).id.removeprefix("chatcmpl-")
+    text = "hello world, this is some text. " * 750  # ~24 KB, one prompt (its prefill is cached after key C's first)
+    with oai(server, KEY_A) as a:  # a small record of another key (keys share no cache: a long one would be another cold prefill)
+        theirs = a.chat.completions.create(model="m", messages=[{"role": "user", "content": "hello"}], max_tokens=1).id.removeprefix("chatcmpl-")
     ids = []
     with oai(server, KEY_C) as c:
         for i in range(6):
