@@ -9,6 +9,7 @@ import ast
 import contextlib
 import functools
 import gc
+import json
 import os
 import re
 import shutil
@@ -70,7 +71,53 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             module = nodeid.split("::")[0]
             return shared_group(ROOT / module) or module
 
+        def _assign_work_unit(self, node: Any) -> None:
+            """The costliest scope left goes next (xdist hands them out in the order of their test counts,
+            which put the few long e2e modules last: one worker ran them while the other sat idle)."""
+            heaviest = max(self.workqueue, key=lambda scope: scope_cost(self.workqueue[scope]))
+            self.workqueue.move_to_end(heaviest, last=False)
+            super()._assign_work_unit(node)
+
     return Groups(config, log)
+
+
+DURATIONS = ROOT / "tests/durations.json"  # seconds per test module (setup, call and teardown), from a recorded run
+
+
+@functools.cache
+def recorded_durations() -> dict[str, float]:
+    return json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
+
+def scope_cost(nodeids: dict[str, bool]) -> float:
+    """A scope's expected seconds: its modules' recorded durations; a module not recorded counts a second a test."""
+    modules: dict[str, int] = {}
+    for nodeid in nodeids:
+        module = nodeid.split("::")[0]
+        modules[module] = modules.get(module, 0) + 1
+    recorded = recorded_durations()
+    return sum(recorded.get(module, float(count)) for module, count in modules.items())
+
+
+class DurationRecorder:
+    """`MET_STORE_DURATIONS=1 ./dev test` rewrites tests/durations.json with each module's seconds from this run
+    (modules that did not run keep their entries), for the scheduler above. Registered on the controller only."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        module = report.nodeid.split("::")[0]
+        self.seconds[module] = self.seconds.get(module, 0.0) + report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        merged = {**recorded_durations(), **{module: round(s, 1) for module, s in self.seconds.items()}}
+        DURATIONS.write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("MET_STORE_DURATIONS") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(DurationRecorder(), "metrale-durations")
 
 
 @functools.cache
