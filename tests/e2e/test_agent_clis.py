@@ -66,6 +66,22 @@ def requests_logged(server: LiveServer, protocol: str) -> list[str]:
     return [line for line in server.log().splitlines() if "met.requests" in line and f" {protocol} " in line]
 
 
+def prompt_tokens(line: str) -> int:
+    return int(line.split("prompt_tokens=")[1].split()[0])
+
+
+def assert_served(logged: list[str]) -> None:
+    """Every request of the CLI's run ended `stop` or `length`, but for a side request (a smaller prompt than
+    the turn's) that the CLI dropped as it exited, which the server logs `abandoned`: Claude Code 2.1.197
+    sends a 384-token background request beside its turn and does not wait for it once the turn is answered,
+    so on a slower CPU (AVX2 kernels) it is still decoding then. An error, or the turn itself dropped, fails."""
+    assert logged, "the CLI's requests were not logged"
+    turn = max(map(prompt_tokens, logged))
+    for line in logged:
+        status = line.split("status=")[1].split()[0]
+        assert status in ("stop", "length") or (status == "abandoned" and prompt_tokens(line) < turn), logged
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("install", list(INSTALLS))
 def test_claude_code_completes_a_turn_with_the_models_text(agents_server: LiveServer, fixed_home: Path, install: str) -> None:
@@ -81,7 +97,7 @@ def test_claude_code_completes_a_turn_with_the_models_text(agents_server: LiveSe
     if done.returncode == 0:
         assert not result["is_error"] and result["subtype"] == "success" and result["result"].strip() in [t.strip() for t in texts]  # the model's text
     logged = requests_logged(agents_server, "anthropic_messages")[before:]
-    assert logged and all("status=stop" in line or "status=length" in line for line in logged), logged
+    assert_served(logged)
     assert http_errors(agents_server) == errors  # its probes (HEAD / and /api/hello) included
     print(f"claude --bare -p ({install}): {seconds:.1f}s, {len(logged)} requests, {ended}")
 
@@ -130,8 +146,8 @@ def test_claude_code_in_its_full_mode_is_served_without_an_error(agents_server: 
     ended = outcome("claude", done, texts)
     assert any(t.strip() for t in texts)  # the model's text reached the CLI either way
     logged = requests_logged(agents_server, "anthropic_messages")[before:]
-    assert logged and all("status=stop" in line or "status=length" in line for line in logged), logged
-    assert min(int(line.split("prompt_tokens=")[1].split()[0]) for line in logged) > 8192  # past the native window: the long-context recipe carried it
+    assert_served(logged)
+    assert min(map(prompt_tokens, logged)) > 8192  # past the native window: the long-context recipe carried it
     assert http_errors(agents_server) == errors
     print(f"claude -p (full mode): {seconds:.1f}s, {len(logged)} requests, {ended}")
 
@@ -155,6 +171,6 @@ def test_codex_exec_completes_a_turn_with_the_models_text(agents_server: LiveSer
     if done.returncode == 0:
         assert [e["type"] for e in events if e.get("type", "").startswith("turn.")] == ["turn.started", "turn.completed"]
     logged = requests_logged(agents_server, "openai_responses")[before:]
-    assert logged and all("status=stop" in line or "status=length" in line for line in logged), logged
+    assert_served(logged)
     assert http_errors(agents_server) == errors
     print(f"codex exec ({install}): {seconds:.1f}s, {len(logged)} requests, {ended}")
