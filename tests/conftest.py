@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,11 +92,8 @@ def recorded_durations() -> dict[str, float]:
 
 def scope_cost(nodeids: dict[str, bool]) -> float:
     """A scope's expected seconds: its modules' recorded durations; a module not recorded counts a second a test."""
-    modules: dict[str, int] = {}
-    for nodeid in nodeids:
-        module = nodeid.split("::")[0]
-        modules[module] = modules.get(module, 0) + 1
     recorded = recorded_durations()
+    modules = Counter(nodeid.split("::")[0] for nodeid in nodeids)
     return sum(recorded.get(module, float(count)) for module, count in modules.items())
 
 
@@ -104,11 +102,10 @@ class DurationRecorder:
     (modules that did not run keep their entries), for the scheduler above. Registered on the controller only."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
+        self.seconds: Counter[str] = Counter()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        module = report.nodeid.split("::")[0]
-        self.seconds[module] = self.seconds.get(module, 0.0) + report.duration
+        self.seconds[report.nodeid.split("::")[0]] += report.duration
 
     def pytest_sessionfinish(self) -> None:
         merged = {**recorded_durations(), **{module: round(s, 1) for module, s in self.seconds.items()}}

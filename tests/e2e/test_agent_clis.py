@@ -66,8 +66,13 @@ def requests_logged(server: LiveServer, protocol: str) -> list[str]:
     return [line for line in server.log().splitlines() if "met.requests" in line and f" {protocol} " in line]
 
 
+def logged_field(line: str, name: str) -> str:
+    """A `name=value` field of a met.requests log line."""
+    return line.split(f" {name}=")[1].split()[0]
+
+
 def prompt_tokens(line: str) -> int:
-    return int(line.split("prompt_tokens=")[1].split()[0])
+    return int(logged_field(line, "prompt_tokens"))
 
 
 def assert_served(logged: list[str]) -> None:
@@ -78,7 +83,7 @@ def assert_served(logged: list[str]) -> None:
     assert logged, "the CLI's requests were not logged"
     turn = max(map(prompt_tokens, logged))
     for line in logged:
-        status = line.split("status=")[1].split()[0]
+        status = logged_field(line, "status")
         assert status in ("stop", "length") or (status == "abandoned" and prompt_tokens(line) < turn), logged
 
 
