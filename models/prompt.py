@@ -108,12 +108,11 @@ class PromptRenderer:
 
     @classmethod
     def load(cls, folder: Path, *, name: str, max_model_len: int | None = None) -> PromptRenderer:
-        from transformers import AutoTokenizer
-
         from models.files import context_length
         from models.generation import generation_fields
+        from models.tokenizer import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = load_tokenizer(folder)
         gen_path = folder / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
         eos = gen.get("eos_token_id")

@@ -198,11 +198,12 @@ async def _until_redis_answers(call: Callable[[], Awaitable[T]]) -> T:
 
 
 async def _run_gateway(settings: Settings, *, worker_id: str, stop: asyncio.Event) -> None:
+    from models.tokenizer import load_tokenizer
     from workers.gateway import run_gateway
 
     assert settings.redis_url
     name, folder = await asyncio.to_thread(local_folder, settings.model, settings.model_cache)
-    tokenizer = await asyncio.to_thread(_load_tokenizer, folder)  # usage an upstream does not send; specials to escape
+    tokenizer = await asyncio.to_thread(load_tokenizer, folder)  # usage an upstream does not send; specials to escape
 
     redis = redis_client(settings.redis_url, settings.redis_max_connections)
     try:
@@ -210,8 +211,3 @@ async def _run_gateway(settings: Settings, *, worker_id: str, stop: asyncio.Even
     finally:
         await redis.aclose()
 
-
-def _load_tokenizer(folder: Any) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))

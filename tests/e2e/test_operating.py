@@ -8,6 +8,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -218,6 +219,21 @@ def test_constrained_decoding_figures_appear_on_metrics_and_move_after_constrain
         time.sleep(0.5)
     assert all(moved.values()), moved
     assert total(after, "met_grammar_constrained_rows_total") - total(before, "met_grammar_constrained_rows_total") >= 2  # a row a step, each request
+
+
+def test_the_api_node_never_loads_torch_serving_constrained_tool_and_count_requests(server: LiveServer) -> None:
+    """The API process (`met serve` itself; its workers are children) renders, tokenizes and compiles
+    grammars without torch (models/tokenizer.py): its memory map holds no libtorch."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    for path, body in (
+        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}),
+        ("/v1/chat/completions", {**CHAT, "tools": tools, "tool_choice": "required"}),
+        ("/v1/messages/count_tokens", {"model": "m", "messages": USER}),
+    ):
+        assert patiently(server, path, body).status_code == 200, path
+    maps = (Path("/proc") / str(server.proc.pid) / "maps").read_text()
+    assert "libtorch" not in maps and "libc10" not in maps
 
 
 # ---- special tokens ----------------------------------------------------------------------------------
