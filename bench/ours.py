@@ -87,18 +87,23 @@ def _stop(server: LiveServer) -> None:
     except psutil.Error:
         children = []
     if server.proc.poll() is None:
-        server.proc.terminate()
-        try:
-            server.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait(10)
+        terminate(server.proc, STOP_TIMEOUT_S)
     for child in children:  # only what this server started (worker, redis-server), by pid
         try:
             if child.is_running():
                 child.kill()
         except psutil.Error:
             continue
+
+
+def terminate(proc: subprocess.Popen[bytes], wait_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited in `wait_s`."""
+    proc.terminate()
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,7 +135,7 @@ def ours(root: Path, name: str, *flags: str) -> Iterator[tuple[str, str, Path]]:
 
 @contextmanager
 def llamacpp(pld: bool) -> Iterator[str]:
-    from ours import free_loopback_port
+    from ours import free_loopback_port, terminate
 
     port = free_loopback_port()
     extra = ["--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", "10"] if pld else []
@@ -152,11 +152,7 @@ def llamacpp(pld: bool) -> Iterator[str]:
                 time.sleep(0.5)
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        terminate(proc)
 
 
 def log(message: str) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 import psutil
-from ours import REPO_ROOT, free_loopback_port, running_server, wait_ready
+from ours import REPO_ROOT, free_loopback_port, running_server, terminate, wait_ready
 
 sys.path.insert(0, str(REPO_ROOT))
 
@@ -88,12 +88,7 @@ def start_llamacpp() -> Start:
             time.sleep(0.05)
         raise RuntimeError(f"llama.cpp's server was not ready in {READY_TIMEOUT_S:.0f}s")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        terminate(proc)
 
 
 def median(starts: list[Start], pick: str) -> float:
