@@ -2,7 +2,7 @@
 
 Owns: `load_tokenizer(folder)`, what the API node, the gateway workers and the model workers load.
 `AutoTokenizer` picks the class from the model's config, and importing transformers' config module
-imports torch: ~2 s of CPU at every API node start (4.4 -> ~2 s of a `met serve` API process's start)
+imports torch: ~2.3 s of CPU at every API node start (4.2 -> 1.9 s: bench/start_cost.py)
 and a few hundred MB resident, in a process that never runs the model. When the folder's
 `tokenizer_config.json` names transformers' generic fast tokenizer (`TokenizersBackend`, alias
 `PreTrainedTokenizerFast`), declares no custom code (`auto_map`), and `config.json`'s `model_type` is

@@ -288,14 +288,18 @@ def default_adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 
 
 @pytest.fixture(scope="session")
-def tokenizer() -> Any:
-    """The default model's tokenizer (the converted SmolLM2 folder), for tests that build tiny models on it."""
-    from transformers import AutoTokenizer
-
-
+def default_model_folder() -> Path:
+    """The default model's local folder (the converted SmolLM2 one; converted on first use)."""
     settings = Settings.from_env(os.environ)
-    _, folder = local_folder(settings.model, settings.model_cache)
-    return AutoTokenizer.from_pretrained(str(folder))
+    return local_folder(settings.model, settings.model_cache)[1]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_folder: Path) -> Any:
+    """The default model's tokenizer, for tests that build tiny models on it."""
+    from models.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_model_folder)
 
 
 @contextlib.asynccontextmanager
