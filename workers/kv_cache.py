@@ -49,8 +49,9 @@ class KVGeometry:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, model: Any, dtype: torch.dtype) -> KVGeometry:
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    def of(cls, config: Any, dtype: torch.dtype) -> KVGeometry:
+        """From a transformers model config."""
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         return cls(cfg.num_hidden_layers, kv_heads, head_dim, dtype)

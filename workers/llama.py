@@ -28,9 +28,11 @@ two gave logits up to 0.7 apart, and a seeded request sampled differently depend
 512-token chunk, 72 vs 43 ms at 4,096 keys; decode is faster (3.3 vs 20 ms for 32 rows of 1,024 keys;
 `python bench/attention.py` on a 2-core AVX2 machine, session 11). CUDA keeps SDPA (no such promise).
 
-Weights come from the HF model's own parameters (so GGUF and safetensors loading stay as they are);
-the HF q/k/v and gate/up parameters are re-pointed at views of the fused tensors, so the fused copy
-costs no memory and the HF forward (the fallback, and the tests' reference) still works. With
+A worker reads the weights straight from the folder into this layout (`workers.checkpoint`, without
+transformers' model code). Where that module leaves a folder to transformers, or a test holds an HF
+model as the reference, they come from the HF model's own parameters (`from_hf`): its q/k/v and
+gate/up parameters are re-pointed at views of the fused tensors, so the fused copy costs no memory and
+the HF forward still works. With
 `--quantization int4` the four projections are int4 weights (`workers.quant`), the rest as loaded.
 
 Must not: know sequences or the scheduler (the runner turns a `StepPlan` into a `StepBatch`), or
@@ -131,22 +133,37 @@ class StepBatch:
 def unsupported(model: Any, *, max_len: int) -> str | None:
     """Why our forward cannot run this model (None: it can)."""
     cfg = model.config
-    if cfg.model_type not in FAMILIES:
-        return f"model_type {cfg.model_type!r} is not a Llama-family model"
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    if rotary is None or not hasattr(model.model, "layers"):
+    if cfg.model_type in FAMILIES and (rotary is None or not hasattr(model.model, "layers")):
         return "no model.layers / rotary_emb"
-    if rotary.rope_type not in STATIC_ROPE:
-        return f"RoPE type {rotary.rope_type!r} is not implemented"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"hidden_act {cfg.hidden_act!r}"
-    window = getattr(cfg, "sliding_window", None)
-    uses_window = cfg.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)
+    why = unsupported_config(cfg, max_len=max_len, rope_type=rotary.rope_type if rotary is not None else "default")
+    if why is None and getattr(model.model.layers[0].mlp.gate_proj, "bias", None) is not None:
+        return "MLP biases"
+    return why
+
+
+def unsupported_config(config: Any, *, max_len: int, rope_type: str) -> str | None:
+    """Why our forward cannot run a model of this config (transformers' config, or config.json as a dict;
+    `rope_type` as the config resolves it), None: it can. Shared by the loaded-model check (`unsupported`)
+    and the direct load (`workers.checkpoint`)."""
+
+    def get(name: str, default: Any = None) -> Any:
+        return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+
+    model_type = get("model_type")
+    if model_type not in FAMILIES:
+        return f"model_type {model_type!r} is not a Llama-family model"
+    if rope_type not in STATIC_ROPE:
+        return f"RoPE type {rope_type!r} is not implemented"
+    if get("hidden_act", "silu") != "silu":
+        return f"hidden_act {get('hidden_act')!r}"
+    window = get("sliding_window")
+    uses_window = model_type == "mistral" or get("use_sliding_window", False)
     if window and uses_window and window < max_len:
         return f"sliding window {window} < max_len {max_len}"
-    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+    if any(t != "full_attention" for t in get("layer_types") or ()):
         return "layers other than full attention"
-    if getattr(model.model.layers[0].mlp.gate_proj, "bias", None) is not None:
+    if get("mlp_bias", False):
         return "MLP biases"
     return None
 

@@ -25,7 +25,6 @@ paths; the gather-matmul kernel and the adapter checks live in modules of their 
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import threading
@@ -70,17 +69,18 @@ class Adapter:
         return (self.name, self.path)
 
 
-def read(folder: str | Path, *, model: Any, max_rank: int) -> dict[str, Pair]:
+def read(folder: str | Path, *, base: Base, max_rank: int) -> dict[str, Pair]:
     """The adapter's pairs in float32 on CPU, by module path ("model.layers.{i}.{block}.{name}"), once
-    `models.adapters.check` has found the folder servable on this model (AdapterError otherwise). The
-    scaling is peft's: lora_alpha (or its `alpha_pattern` match, by peft's own rule) over r, or over √r
-    with `use_rslora`."""
-    from peft.utils.other import get_pattern_key
+    `models.adapters.check` has found the folder servable on a model of this shape (AdapterError
+    otherwise). The scaling is peft's: lora_alpha (or its `alpha_pattern` match, by peft's own rule) over
+    r, or over √r with `use_rslora`. peft is imported only for an adapter with an `alpha_pattern` (its
+    import takes ~1.8 s of CPU and brings transformers' model code and torch._dynamo with it, which a
+    worker otherwise never loads: `workers.checkpoint`), so that adapter's first load costs that once."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    config = check(folder, base=Base.of(model.config), max_rank=max_rank).config
+    config = check(folder, base=base, max_rank=max_rank).config
     try:
         tensors = load_file(str(folder / WEIGHTS))
     except (SafetensorError, OSError) as exc:
@@ -89,16 +89,20 @@ def read(folder: str | Path, *, model: Any, max_rank: int) -> dict[str, Pair]:
     for key, tensor in tensors.items():
         halves.setdefault(tensor_module(key), {})["A" if ".lora_A" in key else "B"] = tensor.float()
     patterns: dict[str, float] = config.get("alpha_pattern") or {}
+    if patterns:
+        from peft.utils.other import get_pattern_key
     pairs = {}
     for module, ab in sorted(halves.items()):
         r = ab["A"].shape[0]
-        alpha = float(patterns.get(get_pattern_key(list(patterns), module), config.get("lora_alpha", 8)))
+        alpha = float(config.get("lora_alpha", 8))
+        if patterns:
+            alpha = float(patterns.get(get_pattern_key(list(patterns), module), alpha))
         scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
         pairs[module] = Pair(ab["A"].contiguous(), (ab["B"] * scaling).contiguous())
     return pairs
 
 
-def build(pairs: dict[str, Pair], *, model: Any, name: str, path: str, dtype: torch.dtype, device: torch.device, lean: bool = True) -> Adapter:  # noqa: PLR0913 (keyword-only: what the adapter is and where its pairs go)
+def build(pairs: dict[str, Pair], *, base: Base, name: str, path: str, dtype: torch.dtype, device: torch.device, lean: bool = True) -> Adapter:  # noqa: PLR0913 (keyword-only: what the adapter is and where its pairs go)
     """Lay read pairs out in the model's dtype and device for the path that runs: fused per group for the
     lean path (`_fuse`; `hf` left empty), unfused for the hf path's hooks (`layers` left empty)."""
     modules = tuple(sorted({k.rsplit(".", 1)[1] for k in pairs}, key=list(TARGETS).index))
@@ -106,7 +110,6 @@ def build(pairs: dict[str, Pair], *, model: Any, name: str, path: str, dtype: to
     if not lean:
         hf = {k: Pair(p.a.to(device, dtype), p.b.to(device, dtype)) for k, p in pairs.items()}
         return Adapter(name=name, path=path, rank=rank, modules=modules, layers=(), hf=hf)
-    base = Base.of(model.config)
     fused: list[dict[str, Pair]] = []
     for i in range(base.layers):
         groups: dict[str, Pair] = {}
@@ -139,12 +142,9 @@ class Adapters:
     """The adapters resident on a worker: up to `max_loras` (least recently used out first, never one a
     running sequence holds), loaded on a request's first use from the path its IR carries."""
 
-    def __init__(self, model: Any, *, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device, lean: bool = True) -> None:
-        self.model, self.max_loras, self.max_rank, self.dtype, self.device = model, max_loras, max_rank, dtype, device
-        # peft (for its pattern rules, `read`) takes ~2 s to import: imported now, beside the worker's start, so
-        # the first adapter a request names does not stall every stream's step for it
-        self.preload = threading.Thread(target=importlib.import_module, args=("peft.utils.other",), name="peft-import", daemon=True)
-        self.preload.start()
+    def __init__(self, base: Base, *, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device, lean: bool = True) -> None:
+        """`base`: the shapes of the model the adapters must fit (`models.adapters.Base.of` its config)."""
+        self.base, self.max_loras, self.max_rank, self.dtype, self.device = base, max_loras, max_rank, dtype, device
         # the gather-matmul kernel (`workers.lora_kernel`), built beside the start too (<1 s; cached) and waited
         # for by the first stack, so every step of the worker multiplies its adapters one way
         self._kernel: lora_kernel.Kernel | None = None
@@ -163,8 +163,8 @@ class Adapters:
         key = (name, path)
         adapter = self.resident.get(key)
         if adapter is None:
-            pairs = read(path, model=self.model, max_rank=self.max_rank)
-            adapter = build(pairs, model=self.model, name=name, path=path, dtype=self.dtype, device=self.device, lean=self.lean)
+            pairs = read(path, base=self.base, max_rank=self.max_rank)
+            adapter = build(pairs, base=self.base, name=name, path=path, dtype=self.dtype, device=self.device, lean=self.lean)
             self.loads += 1
             self.resident[key] = adapter
             self._stack = None

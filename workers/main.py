@@ -12,7 +12,6 @@ import socket
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from functools import partial
 from typing import Any, TypeVar
 
 from redis.asyncio import Redis
@@ -45,16 +44,17 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
     import torch
 
     from workers import kernels, llama
-    from workers.prompt_logprobs import score_prompt
-    from workers.runner import TorchRunner, load_model, pick_device, pick_dtype
+    from workers.runner import TorchRunner, load, pick_device, pick_dtype
 
     device, dtype = pick_device(settings.device), pick_dtype(settings.dtype)
     if settings.threads > 0:
         torch.set_num_threads(settings.threads)
     log.info("torch threads: %d%s", torch.get_num_threads(), "" if settings.threads > 0 else " (torch's default; --threads)")
-    model = load_model(folder, device=device, dtype=dtype)
+    model, lean, config = load(folder, device=device, dtype=dtype, model_impl=settings.model_impl, max_len=renderer.info.max_model_len)
     runner = TorchRunner(
         model,
+        lean=lean,
+        config=config,
         max_len=renderer.info.max_model_len,
         kv_budget_mb=kv_budget_mb(settings, device),
         device=device,
@@ -75,7 +75,7 @@ def build_engine(settings: Settings) -> tuple[Engine, dict[str, str]]:
         renderer.info,
         settings=settings,
     )
-    engine.score_prompt = partial(score_prompt, model, device=device)  # echo + logprobs on legacy completions
+    engine.score_prompt = runner.score_prompt  # echo + logprobs on legacy completions
     info = {
         "model": settings.served_model_name or name,
         "device": str(device),

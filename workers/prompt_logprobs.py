@@ -1,10 +1,12 @@
 """Prompt logprobs (legacy completions' `echo` with `logprobs`): each prompt token's logprob given the
 tokens before it, and the `top` best alternatives at its position.
 
-Owns: one no-cache forward of the HF model over the whole prompt, run once when a request that asks
-is admitted (`Engine.add`). The paged KV cache, the scheduler and the batched step are not involved,
-so the runner's forward stays as it is; the price is one extra prefill of that prompt. Logprobs are
-the model's raw distribution (no temperature or penalties), as vLLM reports prompt logprobs.
+Owns: turning a prompt's logits into those scores (`scores`), and the hf path's forward for them: one
+no-cache forward of the HF model over the whole prompt (`score_prompt`); the lean path runs its own
+forward into a cache of the prompt's own (`TorchRunner.score_prompt`). Run once when a request that
+asks is admitted (`Engine.add`). The runner's paged KV pool, the scheduler and the batched step are not
+involved; the price is one extra prefill of that prompt. Logprobs are the model's raw distribution (no
+temperature or penalties), as vLLM reports prompt logprobs.
 Must not: touch Redis, the scheduler or the KV pool.
 """
 
@@ -25,7 +27,11 @@ def score_prompt(model: Any, prompt: list[int], top: int, *, device: torch.devic
     """Position i (from 1) scores `prompt[i]` after `prompt[:i]`; the first token has nothing before it."""
     ids = torch.tensor([prompt], device=device)  # [1, L]
     logits = model(input_ids=ids, use_cache=False).logits[0, :-1]  # [L-1, vocab]: row i predicts token i+1
-    targets = ids[0, 1:]  # [L-1]
+    return scores(logits, ids[0, 1:], top)
+
+
+def scores(logits: torch.Tensor, targets: torch.Tensor, top: int) -> Scored:
+    """logits [P, vocab] of P positions, targets [P]: the token each position is followed by."""
     out: Scored = []
     for start in range(0, logits.shape[0], CHUNK):
         logprobs = logits[start : start + CHUNK].float().log_softmax(dim=-1)  # [C, vocab]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -77,14 +78,15 @@ def int4_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def resolve(quantization: str, model: Any, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
-    """(what runs, why) for `--quantization`; `auto` is int4 where it is lossless (`already_4bit`) and runs."""
+def resolve(quantization: str, linears: Iterable[torch.Tensor], device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """(what runs, why) for `--quantization`; `auto` is int4 where it is lossless (`already_4bit`: the
+    decoder's linear weights, `hf_linears` or `lean_linears`) and runs."""
     check(quantization, device, dtype)
     if quantization != "auto":
         return quantization, "--quantization " + quantization
     if why := int4_unavailable(device, dtype):
         return "none", f"auto: int4 {why}"
-    if not already_4bit(model):
+    if not already_4bit(linears):
         return "none", "auto: the weights are not 4-bit already (int4 would lose accuracy; --quantization int4 forces it)"
     return "int4", "auto: the weights already are 4-bit (a Q4_0/Q4_1 GGUF): int4 computes with them as stored"
 
@@ -172,16 +174,19 @@ def quantize_hf(model: Any) -> None:
 
 
 def quantize_lean(model: Any, weights: Any) -> Any:
-    """The lean path's fused weights as int4 (`workers.llama.LlamaWeights`), and the HF modules pointed
-    at slices of them (the HF forward serves prompt logprobs and is the tests' reference)."""
+    """The lean path's fused weights as int4 (`workers.llama.LlamaWeights`), and where the weights came
+    from a transformers model (not None), its modules pointed at slices of them (its forward is the
+    tests' reference)."""
     layers = []
-    for block, layer in zip(model.model.layers, weights.layers, strict=True):
-        attn, mlp = block.self_attn, block.mlp
+    blocks = model.model.layers if model is not None else [None] * len(weights.layers)
+    for block, layer in zip(blocks, weights.layers, strict=True):
         qkv, gate_up, o, down = (quantize(w) for w in (layer.qkv, layer.gate_up, layer.o, layer.down))
-        _point(attn, ("q_proj", "k_proj", "v_proj"), qkv)
-        _point(mlp, ("gate_proj", "up_proj"), gate_up)
-        attn.o_proj = Int4Linear(o, attn.o_proj.bias.data if attn.o_proj.bias is not None else None)
-        mlp.down_proj = Int4Linear(down, None)
+        if block is not None:
+            attn, mlp = block.self_attn, block.mlp
+            _point(attn, ("q_proj", "k_proj", "v_proj"), qkv)
+            _point(mlp, ("gate_proj", "up_proj"), gate_up)
+            attn.o_proj = Int4Linear(o, attn.o_proj.bias.data if attn.o_proj.bias is not None else None)
+            mlp.down_proj = Int4Linear(down, None)
         layers.append(replace(layer, qkv=qkv, gate_up=gate_up, o=o, down=down))
     return replace(weights, layers=tuple(layers))
 
@@ -210,15 +215,21 @@ def recovery_error(w: torch.Tensor) -> float:
     return float((((q - 8) * scale[..., None] + zero[..., None] - groups).abs() / scale[..., None]).max())
 
 
-def already_4bit(model: Any) -> bool:
-    """Whether every linear of the decoder is recovered within LOSSLESS: its weights already are 4-bit
-    (a Q4_0/Q4_1 GGUF, like the default model), so int4 costs no accuracy against the file served."""
-    return all(
-        m.in_features % GROUP == 0 and m.out_features % 16 == 0 and recovery_error(m.weight.data) < LOSSLESS
-        for block in model.model.layers
-        for m in block.modules()
-        if isinstance(m, nn.Linear)
-    )
+def already_4bit(linears: Iterable[torch.Tensor]) -> bool:
+    """Whether every linear weight of the decoder ([out, in]) is recovered within LOSSLESS: its weights
+    already are 4-bit (a Q4_0/Q4_1 GGUF, like the default model), so int4 costs no accuracy against the
+    file served. A fused weight is its parts stacked along out, so its groups are theirs."""
+    return all(w.shape[1] % GROUP == 0 and w.shape[0] % 16 == 0 and recovery_error(w) < LOSSLESS for w in linears)
+
+
+def hf_linears(model: Any) -> Iterator[torch.Tensor]:
+    """The weights of the nn.Linear modules of a transformers model's decoder layers."""
+    return (m.weight.data for block in model.model.layers for m in block.modules() if isinstance(m, nn.Linear))
+
+
+def lean_linears(weights: Any) -> Iterator[torch.Tensor]:
+    """The lean layout's projection weights (`workers.llama.LlamaWeights`), fused as they are."""
+    return (w for layer in weights.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down) if isinstance(w, torch.Tensor))
 
 
 LOSSLESS = 0.2  # in units of a group's scale: bf16 rounding of the stored weights and of scale/zero stays under it

@@ -7,7 +7,8 @@ Two model paths (`--model-impl`, MET_MODEL_IMPL; default `auto`: lean for the Ll
 rest). On CPU both run the same attention (`llama._attend`), so they prefill long prompts equally fast;
 lean decodes faster (one forward a step, fused projections: 32.5 vs 44 ms a token for one stream on a
 2-core AVX2 machine, bench/RESULTS.md session 11):
-- lean (`auto` picks it for the Llama family, `workers.llama`): ONE forward per step — the decode
+- lean (`auto` picks it for the Llama family, `workers.llama`; `load` reads its weights straight from the
+  folder, `workers.checkpoint`, so a worker never imports transformers' model code): ONE forward per step — the decode
   tokens of every running sequence and this step's prefill chunks flattened into one [tokens] batch
   (`step_batch`), each token with its position and the pool row it writes; attention reads each
   sequence's keys/values through its block table. On CPU in bf16 a token's logits do not depend on its
@@ -33,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM
 
-from workers import llama, lora, quant
+from models.adapters import Base
+from workers import checkpoint, llama, lora, prompt_logprobs, quant
 from workers.blocks import BLOCK_SIZE
 from workers.kv_cache import KVGeometry, PagedKVCache, block_tables, default_budget_mb
 from workers.sampling import SamplerRow, TokenLogprobData, breaker_ids, sample
@@ -58,24 +59,53 @@ def pick_dtype(name: str) -> torch.dtype:
 
 
 def load_model(folder: Path, *, device: torch.device, dtype: torch.dtype) -> Any:
+    """The transformers model (the hf path, and the tests' reference forward)."""
+    from transformers import AutoModelForCausalLM
+
     model: Any = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
 
 
+def load(folder: Path, *, device: torch.device, dtype: torch.dtype, model_impl: str, max_len: int) -> tuple[Any, llama.LlamaWeights | None, dict[str, Any]]:
+    """(transformers' model or None, the lean weights or None, config.json) for `TorchRunner`: a Llama-family
+    folder the lean path runs is read straight into its weights (`workers.checkpoint`, without transformers'
+    model code); anything else, or `--model-impl hf`, loads through transformers."""
+    if model_impl != "hf":
+        lean, why = checkpoint.load(folder, max_len=max_len, device=device, dtype=dtype)
+        if lean is not None:
+            log.info("weights: read into the lean layout directly (workers.checkpoint)")
+            return None, lean, checkpoint.read_config(folder)
+        log.info("weights: through transformers (%s)", why)
+    return load_model(folder, device=device, dtype=dtype), None, checkpoint.read_config(folder)
+
+
 MODEL_IMPLS = ("auto", "lean", "hf")
-AttentionInterface.register("metrale", llama.hf_attention)
 
 
 class TorchRunner:
     """Executes a `StepPlan`: one flattened forward (lean), or a decode forward plus one per chunk (hf)."""
 
-    def __init__(self, model: Any, *, max_len: int, kv_budget_mb: int, device: torch.device, dtype: torch.dtype, model_impl: str = "auto") -> None:
+    def __init__(  # noqa: PLR0913 (keyword-only: the model, as loaded, and where and how it runs)
+        self,
+        model: Any,
+        *,
+        max_len: int,
+        kv_budget_mb: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        model_impl: str = "auto",
+        lean: llama.LlamaWeights | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        """`model`: transformers' model; or None with `lean` and its `config` (`load`: read directly)."""
         if model_impl not in MODEL_IMPLS:
             raise ValueError(f"--model-impl {model_impl!r}: choose one of {', '.join(MODEL_IMPLS)}")
         self.dtype = dtype
         self.model = model
         self.device = device
-        geometry = KVGeometry.of(model, dtype)
+        self.config: Any = model.config if model is not None else config
+        geometry = KVGeometry.of(self.config, dtype) if lean is None else KVGeometry(len(lean.layers), lean.kv_heads, lean.head_dim, dtype)
+        self.geometry = geometry
         budget_mb = kv_budget_mb or default_budget_mb(device)
         per_block = geometry.bytes_per_token() * BLOCK_SIZE
         self.block_size = BLOCK_SIZE
@@ -90,11 +120,14 @@ class TorchRunner:
         self.mask_s = 0.0  # seconds spent on grammar masks, over `masked_steps` steps (heartbeat figures)
         self.masked_steps = 0
         self.masked_rows = 0  # constrained rows masked, summed over those steps
-        why_not = llama.unsupported(model, max_len=max_len) if model_impl != "hf" else "--model-impl hf"
+        why_not = None if lean is not None else llama.unsupported(model, max_len=max_len) if model_impl != "hf" else "--model-impl hf"
         if why_not is not None and model_impl == "lean":
             raise ValueError(f"--model-impl lean: {why_not}")
-        self.lean = llama.from_hf(model) if why_not is None else None
+        self.lean = lean if lean is not None else llama.from_hf(model) if why_not is None else None
         if self.lean is None and device.type == "cpu":
+            from transformers import AttentionInterface
+
+            AttentionInterface.register("metrale", llama.hf_attention)
             model.set_attn_implementation("metrale")  # the hf path's attention: `llama.hf_attention`
         self.adapters: lora.Adapters | None = None  # `enable_adapters`: the resident LoRA adapters
         self._held: dict[str, lora.Adapter] = {}  # per sequence, its adapter (`attach`)
@@ -109,7 +142,8 @@ class TorchRunner:
     def quantize(self, quantization: str) -> TorchRunner:
         """`--quantization`: the decoder's linears as int4 (workers.quant) on whichever path runs (`auto`:
         where lossless); once, before the first step. `self.quantization` says what runs."""
-        self.quantization, why = quant.resolve(quantization, self.model, self.device, self.dtype)
+        linears = quant.lean_linears(self.lean) if self.lean is not None else quant.hf_linears(self.model)
+        self.quantization, why = quant.resolve(quantization, linears, self.device, self.dtype)
         if self.quantization == "int4":
             if self.lean is not None:
                 self.lean = quant.quantize_lean(self.model, self.lean)
@@ -136,7 +170,7 @@ class TorchRunner:
     def enable_adapters(self, *, max_loras: int, max_rank: int) -> TorchRunner:
         """Serve LoRA adapters (`workers.lora`): up to `max_loras` resident, each of rank at most `max_rank`;
         on the hf path through forward hooks on its projections. Before the first step."""
-        self.adapters = lora.Adapters(self.model, max_loras=max_loras, max_rank=max_rank, dtype=self.dtype, device=self.device, lean=self.lean is not None)
+        self.adapters = lora.Adapters(Base.of(self.config), max_loras=max_loras, max_rank=max_rank, dtype=self.dtype, device=self.device, lean=self.lean is not None)
         if self.lean is None:
             self._hooks = lora.HfHooks(self.model)
         return self
@@ -196,6 +230,22 @@ class TorchRunner:
         if not rows:
             return [], torch.empty(0)
         return rows, torch.cat(logits).float()  # [B, vocab]
+
+    @torch.inference_mode()
+    def score_prompt(self, prompt: list[int], top: int) -> prompt_logprobs.Scored:
+        """Prompt logprobs (`workers.prompt_logprobs`): on the lean path its own forward, CHUNK positions at a
+        time, into a cache of the prompt's own (the runner's pool and the scheduler are not involved; its
+        prompt rows multiply as a prefill's do: `wide_mode`); on the hf path transformers' forward."""
+        if self.lean is None:
+            return prompt_logprobs.score_prompt(self.model, prompt, top, device=self.device)
+        cache = PagedKVCache(self.geometry, num_blocks=-(-len(prompt) // self.block_size), block_size=self.block_size, device=self.device)
+        out: prompt_logprobs.Scored = []
+        for start in range(0, len(prompt) - 1, prompt_logprobs.CHUNK):
+            end = min(start + prompt_logprobs.CHUNK, len(prompt) - 1)  # positions start..end-1, each followed by a prompt token
+            batch = prompt_chunk(prompt, start, end, block_size=self.block_size, pad_block=cache.pad_block, device=self.device, wide=self.wide_mode != "off")
+            logits = llama.forward(self.lean, batch, cache.keys, cache.values)  # [end - start, vocab]
+            out += prompt_logprobs.scores(logits, torch.tensor(prompt[start + 1 : end + 1], device=self.device), top)
+        return out
 
     @torch.inference_mode()
     def sample(self, rows: list[Sequence], logits: torch.Tensor, ahead: list[tuple[int, ...]] | None = None) -> list[Sampled]:
@@ -347,6 +397,29 @@ def step_batch(
         lora=lora.stacked_rows([adapters[0].get(s.key) for s in seqs], adapters[1], device, chunks=tuple((o, c.end - c.start) for o, c in chunk_spans)) if adapters else None,
     )
     return batch, [*decode, *(c.seq for c in plan.prefill if c.completes_prompt), *(d.seq for d in plan.verify for _ in range(d.rows))]
+
+
+def prompt_chunk(prompt: list[int], start: int, end: int, *, block_size: int, pad_block: int, device: torch.device, wide: bool) -> llama.StepBatch:  # noqa: PLR0913 (keyword-only: the cache's layout)
+    """Positions start..end-1 of a prompt as one prefill chunk whose every row gives logits, in a cache
+    holding this prompt alone from block 0 (`TorchRunner.score_prompt`); `wide`: its rows' projections
+    and its lm_head in float32 (a CPU without native bf16: `TorchRunner.wide_mode`)."""
+    span = llama.key_span(end)
+    blocks = block_tables([list(range(-(-len(prompt) // block_size)))], [end], width=span // block_size, block_size=block_size, pad_block=pad_block)  # [1, P / block_size]
+    mask = torch.arange(span)[None, :] <= torch.arange(start, end)[:, None]  # [T, P] causal from position start
+    rows = torch.arange(end - start, device=device)
+    return llama.StepBatch(
+        input_ids=torch.tensor(prompt[start:end], dtype=torch.long, device=device),
+        positions=torch.arange(start, end, device=device),
+        write=torch.arange(start, end, device=device),  # block b holds positions b * block_size...: pool row = position
+        decode=0,
+        decode_ends=(),
+        decode_blocks=None,
+        decode_mask=None,
+        chunks=(llama.Chunk(offset=0, length=end - start, end=end, blocks=blocks.to(device), mask=mask.to(device)),),
+        sample=rows,
+        wide=rows if wide else None,
+        wide_head=wide,
+    )
 
 
 def _ahead(rows: int, verify: tuple[Draft, ...]) -> list[tuple[int, ...]]:

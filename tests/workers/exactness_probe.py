@@ -23,7 +23,7 @@ from shared.ir import Constraint, ConstraintKind, Message, Protocol, Request, Ro
 from shared.settings import Settings
 from workers import kernels
 from workers.engine import Engine
-from workers.runner import TorchRunner, load_model
+from workers.runner import TorchRunner, load
 
 MAX_TOKENS = 40
 SYSTEM = "You are a careful storyteller. Keep to the facts the user gives and write plainly. " * 4
@@ -35,7 +35,7 @@ def main() -> None:
     settings = Settings.from_env(os.environ)
     name, folder = local_folder(settings.model, settings.model_cache)
     renderer = PromptRenderer.load(folder, name=name, max_model_len=1024)
-    model = load_model(folder, device=torch.device("cpu"), dtype=torch.bfloat16)
+    model, lean, config = load(folder, device=torch.device("cpu"), dtype=torch.bfloat16, model_impl="lean", max_len=1024)  # as a worker loads it
 
     def request(rid: str, text: str, **sampling: object) -> Request:
         messages = (Message(role=Role.SYSTEM, content=(TextPart(text=SYSTEM),)), Message(role=Role.USER, content=(TextPart(text=text),)))
@@ -44,7 +44,7 @@ def main() -> None:
         return replace(req, prompt_token_ids=tuple(renderer.render(req)))
 
     def engine(step_budget: int = 512, prefix_cache: bool = True, speculative: str = "off") -> Engine:
-        runner = TorchRunner(model, max_len=1024, kv_budget_mb=64, device=torch.device("cpu"), dtype=torch.bfloat16, model_impl="lean")
+        runner = TorchRunner(model, lean=lean, config=config, max_len=1024, kv_budget_mb=64, device=torch.device("cpu"), dtype=torch.bfloat16, model_impl="lean")
         settings = Settings(max_running=8, max_tokens_per_step=step_budget, prefix_cache=prefix_cache, speculative=speculative)
         return Engine(runner, renderer.tokenizer, renderer.info, settings=settings)
 

@@ -307,13 +307,13 @@ def test_a_model_worker_loads_steps_and_scores_prompts_on_its_one_torch_thread(r
     from workers.main import load_engine
 
     threads: dict[str, set[int]] = {"load": set(), "step": set(), "score": set()}
-    real_load = runner_module.load_model
+    real_load = runner_module.load
 
-    def load_model(*args: Any, **kwargs: Any) -> Any:
+    def load(*args: Any, **kwargs: Any) -> Any:
         threads["load"].add(threading.get_ident())
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(runner_module, "load_model", load_model)
+    monkeypatch.setattr(runner_module, "load", load)
 
     async def body(redis: Redis) -> None:
         settings = replace(Settings.from_env({}), redis_url=redis_server, kv_budget_mb=64)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from models.adapters import Base
 from shared.deltas import Content, Error, Finish
 from shared.ir import Request
 from shared.settings import Settings
@@ -168,24 +169,26 @@ def test_a_tensor_of_another_shape_or_module_is_refused_naming_it(tiny: LlamaFor
         (folder / "adapter_config.json").write_text((adapters["all"] / "adapter_config.json").read_text())
         save_file(change(load_file(str(adapters["all"] / "adapter_model.safetensors"))), str(folder / "adapter_model.safetensors"))
         with pytest.raises(lora.AdapterError, match=r"adapter_model\.safetensors") as caught:
-            lora.read(folder, model=tiny, max_rank=64)
+            lora.read(folder, base=Base.of(tiny.config), max_rank=64)
         assert ("q_proj" if name == "shape" else "lm_head") in str(caught.value)
 
 
-def test_peft_is_imported_when_adapters_are_enabled_not_at_the_first_adapters_step() -> None:
-    """Importing peft takes ~2 s: on the step thread it would stall every running stream at the first adapter."""
+def test_peft_is_imported_only_for_an_adapter_with_an_alpha_pattern(tiny: LlamaForCausalLM, adapters: dict[str, Path]) -> None:
+    """Importing peft takes ~1.8 s of CPU and brings transformers' model code with it, which a worker
+    otherwise never loads (`workers.checkpoint`): only its pattern rule is needed, for `alpha_pattern`."""
     import subprocess
     import sys
 
     code = (
         "import sys, torch\n"
-        "from transformers import LlamaConfig, LlamaForCausalLM\n"
-        "from workers.runner import TorchRunner\n"
-        "config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)\n"
-        "runner = TorchRunner(LlamaForCausalLM(config).eval(), max_len=32, kv_budget_mb=1, device=torch.device('cpu'), dtype=torch.float32)\n"
-        "assert 'peft' not in sys.modules\n"
-        "runner.enable_adapters(max_loras=2, max_rank=8).adapters.preload.join(60)\n"
+        "from models.adapters import Base\n"
+        "from workers import lora\n"
+        f"base = Base(layers=2, shapes={Base.of(tiny.config).shapes!r})\n"
+        "plain = lora.read(sys.argv[1], base=base, max_rank=64)\n"
+        "print('peft' in sys.modules)\n"
+        "patterned = lora.read(sys.argv[2], base=base, max_rank=64)\n"
         "print('peft.utils.other' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False, cwd=Path(__file__).parents[2])
-    assert done.stdout.strip() == "True", done.stderr[-2000:]
+    args = [str(adapters["all"]), str(adapters["patterns"])]
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, check=False, cwd=Path(__file__).parents[2])
+    assert done.stdout.split() == ["False", "True"], done.stderr[-2000:]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from models.adapters import Base
 from workers import lora, lora_kernel
 
 IN, OUT = 40, 72  # neither a multiple of the kernel's 16 lanes: a tail of `in`, and 8 columns past the last 64
@@ -153,7 +154,7 @@ def test_without_a_compiler_it_says_why_and_the_adapters_use_bmm(tmp_path: Path,
 def test_a_worker_without_the_kernel_warns_once_when_it_runs_an_adapter(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """At its start (every worker) the missing compiler is an info line; the first stack of adapters warns."""
     monkeypatch.setattr(lora_kernel, "load", lambda: None)
-    adapters = lora.Adapters(object(), max_loras=2, max_rank=8, dtype=torch.bfloat16, device=torch.device("cpu"))
+    adapters = lora.Adapters(Base(layers=0, shapes={}), max_loras=2, max_rank=8, dtype=torch.bfloat16, device=torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="workers.lora"):
         assert adapters.kernel is None and adapters.kernel is None
     assert [r.getMessage() for r in caplog.records].count(

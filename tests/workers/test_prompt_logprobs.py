@@ -15,7 +15,7 @@ from shared.settings import Settings
 from workers import prompt_logprobs
 from workers.engine import Engine
 from workers.prompt_logprobs import score_prompt
-from workers.runner import load_model
+from workers.runner import TorchRunner, load, load_model
 
 from .fakes import INFO, ByteTokenizer, ScriptedRunner, make_request
 
@@ -28,11 +28,21 @@ def model() -> Any:
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("path", ["hf", "lean"])
 @pytest.mark.parametrize("chunk", [512, 2], ids=["one chunk", "chunked"])
-def test_each_position_scores_its_token_after_the_tokens_before_it(model: Any, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_position_scores_its_token_after_the_tokens_before_it(model: Any, chunk: int, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against transformers' forward over each prefix alone: the hf path's scorer, and the lean path's
+    (`TorchRunner.score_prompt`: its own forward, CHUNK positions at a time, on weights read directly)."""
     monkeypatch.setattr(prompt_logprobs, "CHUNK", chunk)
     prompt = [504, 3575, 282, 4649, 314]  # "The capital of France is"
-    scored = score_prompt(model, prompt, 3, device=torch.device("cpu"))
+    if path == "hf":
+        scored = score_prompt(model, prompt, 3, device=torch.device("cpu"))
+    else:
+        settings = Settings.from_env(os.environ)
+        folder = local_folder(settings.model, settings.model_cache)[1]
+        _, lean, config = load(folder, device=torch.device("cpu"), dtype=torch.float32, model_impl="auto", max_len=64)
+        assert lean is not None
+        scored = TorchRunner(None, lean=lean, config=config, max_len=64, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.float32).score_prompt(prompt, 3)
     assert len(scored) == len(prompt) - 1
     for i, (logprob, top) in enumerate(scored, start=1):
         with torch.inference_mode():

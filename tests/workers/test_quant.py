@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers import quant
+from workers import checkpoint, quant
 from workers.runner import TorchRunner
 
 from .test_llama import FAMILIES, Recorded, assert_logits_match_hf, prompt_request, prompts, run, tiny
@@ -82,15 +82,15 @@ def test_int4_on_the_lean_path_matches_its_own_hf_forward_and_the_hf_path_token_
 
 def test_auto_quantizes_only_weights_that_already_are_4bit_and_only_where_int4_runs() -> None:
     random = tiny("llama")
-    assert not quant.already_4bit(random)
+    assert not quant.already_4bit(quant.hf_linears(random))
     assert TorchRunner(random, max_len=64, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.float32).quantize("auto").quantization == "none"
     shipped = tiny("llama")
     for i, module in enumerate(m for m in shipped.modules() if isinstance(m, torch.nn.Linear) and m is not shipped.lm_head):
         module.weight.data = q4_1_shaped(module.out_features, module.in_features, seed=i)
-    assert quant.already_4bit(shipped)
+    assert quant.already_4bit(quant.hf_linears(shipped))
     runner = TorchRunner(shipped, max_len=64, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.float32).quantize("auto")
     assert runner.quantization == "int4" and isinstance(runner.lean.layers[0].gate_up, quant.Int4Weight)  # type: ignore[union-attr]
-    assert quant.resolve("auto", shipped, torch.device("cuda"), torch.bfloat16)[0] == "none"  # where int4 does not run, auto leaves the weights
+    assert quant.resolve("auto", quant.hf_linears(shipped), torch.device("cuda"), torch.bfloat16)[0] == "none"  # where int4 does not run, auto leaves the weights
 
 
 def test_what_int4_does_not_run_is_refused_by_name() -> None:
@@ -115,5 +115,10 @@ def test_the_default_models_decoder_weights_come_back_from_its_q4_1_gguf_within_
     model = load_model(folder, device=torch.device("cpu"), dtype=torch.bfloat16)
     worst = max(quant.recovery_error(m.weight.data) for block in model.model.layers for m in block.modules() if isinstance(m, torch.nn.Linear))
     assert worst < quant.LOSSLESS, worst  # bf16 rounding of the cached copy and of scale/zero; never-4-bit weights reach 0.5
-    assert quant.already_4bit(model)
+    assert quant.already_4bit(quant.hf_linears(model))
     assert TorchRunner(model, max_len=64, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.bfloat16, model_impl="hf").quantize("auto").quantization == "int4"
+    lean, why = checkpoint.load(folder, max_len=64, device=torch.device("cpu"), dtype=torch.bfloat16)  # as a worker loads it
+    assert lean is not None, why
+    assert quant.already_4bit(quant.lean_linears(lean))
+    runner = TorchRunner(None, lean=lean, config=checkpoint.read_config(folder), max_len=64, kv_budget_mb=8, device=torch.device("cpu"), dtype=torch.bfloat16).quantize("auto")
+    assert runner.quantization == "int4" and isinstance(runner.lean.layers[0].qkv, quant.Int4Weight)  # type: ignore[union-attr]
