@@ -85,11 +85,12 @@ def expected_names(config: dict[str, Any]) -> set[str]:
     return names
 
 
-def load(folder: Path, *, max_len: int, device: torch.device, dtype: torch.dtype) -> tuple[llama.LlamaWeights | None, str | None]:
-    """(the lean weights, None), or (None, why the folder is left to transformers' loader)."""
+def load(folder: Path, *, max_len: int, device: torch.device, dtype: torch.dtype, config: dict[str, Any] | None = None) -> tuple[llama.LlamaWeights | None, str | None]:
+    """(the lean weights, None), or (None, why the folder is left to transformers' loader). `config`: its
+    config.json, where the caller has read it already."""
     from safetensors import safe_open
 
-    config = read_config(folder)
+    config = config if config is not None else read_config(folder)
     if (why := why_not(config, max_len=max_len)) is not None:
         return None, why
     files = tensor_files(folder)
@@ -107,21 +108,17 @@ def load(folder: Path, *, max_len: int, device: torch.device, dtype: torch.dtype
         shapes = {n: tuple(where[n].get_slice(n).get_shape()) for n in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight")}
         if list(shapes.values()) != [(heads * head_dim, hidden), (kv_heads * head_dim, hidden)]:
             return None, f"q/k projection shapes {list(shapes.values())}, not config.json's heads x head_dim"
-        return _read(config, lambda name: where[name].get_tensor(name).to(device=device, dtype=dtype), device=device), None
+        return _read(config, expected, lambda name: where[name].get_tensor(name).to(device=device, dtype=dtype), device=device), None
 
 
-def _read(config: dict[str, Any], take: Callable[[str], torch.Tensor], *, device: torch.device) -> llama.LlamaWeights:
-    """The weights, each tensor read as it is placed (`take(name)`), so that the load holds no second copy
-    of more than one layer's parts while fusing them."""
+def _read(config: dict[str, Any], names: set[str], take: Callable[[str], torch.Tensor], *, device: torch.device) -> llama.LlamaWeights:
+    """The weights (`names`: the checkpoint's, `expected_names`), each tensor read as it is placed
+    (`take(name)`), so that the load holds no second copy of more than one layer's parts while fusing them."""
     heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
     head_dim = int(config.get("head_dim") or config["hidden_size"] // heads)
-    names = expected_names(config)
 
-    def has(name: str) -> bool:
-        return name in names
-
-    def fuse(at: str, names: tuple[str, ...], kind: str) -> torch.Tensor:
-        return torch.cat([take(f"{at}{n}.{kind}") for n in names])
+    def fuse(at: str, parts: tuple[str, ...], kind: str) -> torch.Tensor:
+        return torch.cat([take(f"{at}{n}.{kind}") for n in parts])
 
     layers = []
     for i in range(int(config["num_hidden_layers"])):
@@ -132,11 +129,11 @@ def _read(config: dict[str, Any], take: Callable[[str], torch.Tensor], *, device
                 index=i,
                 input_norm=take(at + "input_layernorm.weight"),
                 qkv=fuse(at, qkv_names, "weight"),
-                qkv_bias=fuse(at, qkv_names, "bias") if has(at + "self_attn.q_proj.bias") else None,
+                qkv_bias=fuse(at, qkv_names, "bias") if at + "self_attn.q_proj.bias" in names else None,
                 o=take(at + "self_attn.o_proj.weight"),
-                o_bias=take(at + "self_attn.o_proj.bias") if has(at + "self_attn.o_proj.bias") else None,
-                q_norm=take(at + "self_attn.q_norm.weight") if has(at + "self_attn.q_norm.weight") else None,
-                k_norm=take(at + "self_attn.k_norm.weight") if has(at + "self_attn.k_norm.weight") else None,
+                o_bias=take(at + "self_attn.o_proj.bias") if at + "self_attn.o_proj.bias" in names else None,
+                q_norm=take(at + "self_attn.q_norm.weight") if at + "self_attn.q_norm.weight" in names else None,
+                k_norm=take(at + "self_attn.k_norm.weight") if at + "self_attn.k_norm.weight" in names else None,
                 post_norm=take(at + "post_attention_layernorm.weight"),
                 gate_up=fuse(at, ("mlp.gate_proj", "mlp.up_proj"), "weight"),
                 down=take(at + "mlp.down_proj.weight"),

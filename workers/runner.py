@@ -70,13 +70,14 @@ def load(folder: Path, *, device: torch.device, dtype: torch.dtype, model_impl: 
     """(transformers' model or None, the lean weights or None, config.json) for `TorchRunner`: a Llama-family
     folder the lean path runs is read straight into its weights (`workers.checkpoint`, without transformers'
     model code); anything else, or `--model-impl hf`, loads through transformers."""
+    config = checkpoint.read_config(folder)
     if model_impl != "hf":
-        lean, why = checkpoint.load(folder, max_len=max_len, device=device, dtype=dtype)
+        lean, why = checkpoint.load(folder, max_len=max_len, device=device, dtype=dtype, config=config)
         if lean is not None:
             log.info("weights: read into the lean layout directly (workers.checkpoint)")
-            return None, lean, checkpoint.read_config(folder)
+            return None, lean, config
         log.info("weights: through transformers (%s)", why)
-    return load_model(folder, device=device, dtype=dtype), None, checkpoint.read_config(folder)
+    return load_model(folder, device=device, dtype=dtype), None, config
 
 
 MODEL_IMPLS = ("auto", "lean", "hf")
@@ -104,8 +105,7 @@ class TorchRunner:
         self.model = model
         self.device = device
         self.config: Any = model.config if model is not None else config
-        geometry = KVGeometry.of(self.config, dtype) if lean is None else KVGeometry(len(lean.layers), lean.kv_heads, lean.head_dim, dtype)
-        self.geometry = geometry
+        self.geometry = geometry = KVGeometry.of(self.config, dtype) if lean is None else KVGeometry(len(lean.layers), lean.kv_heads, lean.head_dim, dtype)
         budget_mb = kv_budget_mb or default_budget_mb(device)
         per_block = geometry.bytes_per_token() * BLOCK_SIZE
         self.block_size = BLOCK_SIZE
@@ -356,18 +356,8 @@ def step_batch(
         decode_blocks = block_tables(tables, ends, width=span // block_size, block_size=block_size, pad_block=pad_block).to(device, non_blocking=True)  # [B, P / block_size]
         valid = torch.arange(span)[None, :] < torch.tensor(ends)[:, None]  # [B, P]
         decode_mask = valid[:, None, None, :].to(device, non_blocking=True)  # [B, 1, 1, P]
-    chunks = []
-    for offset, c in chunk_spans:
-        span = llama.key_span(c.end)
-        blocks = block_tables([c.seq.blocks], [c.end], width=span // block_size, block_size=block_size, pad_block=pad_block)  # [1, P / block_size]
-        mask = torch.arange(span)[None, :] <= torch.arange(c.start, c.end)[:, None]  # [T, P] causal from position start
-        chunks.append(llama.Chunk(offset=offset, length=c.end - c.start, end=c.end, blocks=blocks.to(device, non_blocking=True), mask=mask.to(device, non_blocking=True)))
-    for offset, d in draft_spans:
-        start, end = d.seq.computed, d.seq.computed + d.rows
-        span = llama.key_span(end)
-        blocks = block_tables([d.seq.blocks], [end], width=span // block_size, block_size=block_size, pad_block=pad_block)  # [1, P / block_size]
-        mask = torch.arange(span)[None, :] <= torch.arange(start, end)[:, None]  # [rows, P]
-        chunks.append(llama.Chunk(offset=offset, length=d.rows, end=end, blocks=blocks.to(device, non_blocking=True), mask=mask.to(device, non_blocking=True)))
+    chunks = [chunk_at(offset, c.seq.blocks, c.start, c.end, block_size=block_size, pad_block=pad_block, device=device) for offset, c in chunk_spans]
+    chunks += [chunk_at(offset, d.seq.blocks, d.seq.computed, d.seq.computed + d.rows, block_size=block_size, pad_block=pad_block, device=device) for offset, d in draft_spans]
     sample_at = list(range(len(decode))) + [offset + c.end - c.start - 1 for offset, c in chunk_spans if c.completes_prompt]
     sample_at += [i for offset, d in draft_spans for i in range(offset, offset + d.rows)]
     rows = [] if wide == "off" else [i for offset, c in chunk_spans for i in range(offset, offset + max(0, min(c.end, len(c.seq.prompt)) - c.start))]
@@ -399,13 +389,20 @@ def step_batch(
     return batch, [*decode, *(c.seq for c in plan.prefill if c.completes_prompt), *(d.seq for d in plan.verify for _ in range(d.rows))]
 
 
+def chunk_at(offset: int, table: list[int], start: int, end: int, *, block_size: int, pad_block: int, device: torch.device) -> llama.Chunk:  # noqa: PLR0913 (keyword-only: the cache's layout)
+    """Positions start..end-1 of one sequence (its block `table`), at `offset` in the flat batch: a
+    prefill chunk, a draft's rows, or a prompt being scored."""
+    span = llama.key_span(end)
+    blocks = block_tables([table], [end], width=span // block_size, block_size=block_size, pad_block=pad_block)  # [1, P / block_size]
+    mask = torch.arange(span)[None, :] <= torch.arange(start, end)[:, None]  # [T, P] causal from position start
+    return llama.Chunk(offset=offset, length=end - start, end=end, blocks=blocks.to(device, non_blocking=True), mask=mask.to(device, non_blocking=True))
+
+
 def prompt_chunk(prompt: list[int], start: int, end: int, *, block_size: int, pad_block: int, device: torch.device, wide: bool) -> llama.StepBatch:  # noqa: PLR0913 (keyword-only: the cache's layout)
     """Positions start..end-1 of a prompt as one prefill chunk whose every row gives logits, in a cache
     holding this prompt alone from block 0 (`TorchRunner.score_prompt`); `wide`: its rows' projections
     and its lm_head in float32 (a CPU without native bf16: `TorchRunner.wide_mode`)."""
-    span = llama.key_span(end)
-    blocks = block_tables([list(range(-(-len(prompt) // block_size)))], [end], width=span // block_size, block_size=block_size, pad_block=pad_block)  # [1, P / block_size]
-    mask = torch.arange(span)[None, :] <= torch.arange(start, end)[:, None]  # [T, P] causal from position start
+    table = list(range(-(-len(prompt) // block_size)))
     rows = torch.arange(end - start, device=device)
     return llama.StepBatch(
         input_ids=torch.tensor(prompt[start:end], dtype=torch.long, device=device),
@@ -415,7 +412,7 @@ def prompt_chunk(prompt: list[int], start: int, end: int, *, block_size: int, pa
         decode_ends=(),
         decode_blocks=None,
         decode_mask=None,
-        chunks=(llama.Chunk(offset=0, length=end - start, end=end, blocks=blocks.to(device), mask=mask.to(device)),),
+        chunks=(chunk_at(0, table, start, end, block_size=block_size, pad_block=pad_block, device=device),),
         sample=rows,
         wide=rows if wide else None,
         wide_head=wide,
